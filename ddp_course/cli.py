@@ -1,0 +1,57 @@
+"""Command-line plumbing: user mistakes end in one clear line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+class CourseError(Exception):
+    """A problem the learner can fix (bad flag, missing data, unusable checkpoint).
+
+    Labs catch it in main(), print its one-line message once for the job and exit with status 1.
+    Raise it on every rank alike (each rank reaches the same verdict from the same inputs), so
+    no rank is left waiting in a collective for one that has already quit.
+    """
+
+
+class CourseArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag once per job instead of once per rank.
+
+    Every torchrun worker parses the same command line, so every worker would print the same
+    usage and error; rank 0 speaks, the others exit quietly with the same status 2.
+    """
+
+    def error(self, message: str):  # noqa: D102 - same contract as argparse
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def positive_int(text: str) -> int:
+    value = _parse(text, int, "an integer")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _parse(text, int, "an integer")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _parse(text, float, "a number")
+    if not value > 0 or value == float("inf"):  # `not >` also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _parse(text: str, kind, description: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {description}, got {text!r}") from None

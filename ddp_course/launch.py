@@ -1,0 +1,147 @@
+"""Run a script under torchrun in a subprocess, with a timeout: used by tests and notebooks.
+
+A notebook kernel cannot host several ranks (functions defined in a cell cannot be pickled into
+spawned processes), and a test must never hang, so both launch the real script the way a learner
+does, `python -m torch.distributed.run --standalone --nproc_per_node=N script args...`, and read
+what it printed or wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Variables that describe a surrounding torchrun job; a nested launch must not inherit them.
+_JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class RunResult:
+    command: list[str]
+    returncode: int | None  # None when the run was killed for exceeding its timeout
+    stdout: str
+    stderr: str
+    wall_s: float
+    timed_out: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def describe(self) -> str:
+        """Everything a failing test should show: the command, the status and both streams."""
+        status = "timed out" if self.timed_out else f"exit status {self.returncode}"
+        return f"$ {' '.join(self.command)}\n[{status} after {self.wall_s:.1f} s]\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+
+def torchrun_command(script: str | Path, args=(), nproc: int = 2, torchrun_args=()) -> list[str]:
+    """The command line a learner would type, with this interpreter's torchrun module."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        *map(str, torchrun_args), str(script), *map(str, args),
+    ]  # fmt: skip
+
+
+def run_torchrun(
+    script: str | Path,
+    args=(),
+    nproc: int = 2,
+    timeout_s: float = 120,
+    threads_per_rank: int = 1,
+    env: dict | None = None,
+    torchrun_args=(),
+    cwd: str | Path | None = None,
+) -> RunResult:
+    """Launch script under torchrun with nproc ranks; kill the whole job if it runs past timeout_s.
+
+    threads_per_rank fixes OMP_NUM_THREADS for every rank (torchrun would set 1 and print a warning
+    about it) so that timings with different numbers of ranks compare fairly.
+    """
+    command = torchrun_command(script, args, nproc, torchrun_args)
+    return run_command(command, timeout_s=timeout_s, threads_per_rank=threads_per_rank, env=env, cwd=cwd)
+
+
+def run_command(command: list[str], timeout_s: float = 120, threads_per_rank: int = 1, env=None, cwd=None) -> RunResult:
+    """Run a command in its own process group; on timeout kill the group (torchrun and its workers)."""
+    full_env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}
+    full_env.update({"OMP_NUM_THREADS": str(threads_per_rank), "PYTHONUNBUFFERED": "1"})
+    full_env.update(env or {})
+    start = time.perf_counter()
+    process = subprocess.Popen(
+        command,
+        cwd=cwd or REPO_ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a process group of its own, so a timeout can kill every rank
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        _kill_job(process)
+        stdout, stderr = process.communicate()
+        timed_out = True
+    return RunResult(
+        command=[str(part) for part in command],
+        returncode=None if timed_out else process.returncode,
+        stdout=stdout,
+        stderr=stderr,
+        wall_s=time.perf_counter() - start,
+        timed_out=timed_out,
+    )
+
+
+def _kill_job(process: subprocess.Popen, grace_s: float = 5) -> None:
+    """Stop a launched job and every process it started.
+
+    SIGTERM first: torchrun forwards it to its workers and exits. torchrun starts each worker in a
+    session of its own, so a worker that outlives it would escape a process-group kill and keep our
+    output pipes open; hence the SIGKILL to every descendant found before we started killing.
+    """
+    descendants = _descendant_pids(process.pid)
+    _signal_group(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(process.pid, signal.SIGKILL)
+    for pid in descendants:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    process.wait()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _descendant_pids(root_pid: int) -> list[int]:
+    """Children, grandchildren... of root_pid, read from /proc (Linux); [] where there is no /proc."""
+    parent_of = {}
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # Format: "pid (command) state ppid ..."; the command may contain spaces and parentheses.
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+            parent_of[int(stat_file.parent.name)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+    found, frontier = [], [root_pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parent_of.items() if ppid == parent]
+        found.extend(children)
+        frontier.extend(children)
+    return found

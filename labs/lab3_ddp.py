@@ -1,0 +1,236 @@
+"""Lab 3: train a real model with DistributedDataParallel - same script on CPUs and on GPUs.
+
+Launch from the repository root:
+
+    laptop, 2 CPU processes (gloo):  torchrun --standalone --nproc_per_node=2 labs/lab3_ddp.py
+    N GPUs on one machine (NCCL):     torchrun --standalone --nproc_per_node=N labs/lab3_ddp.py \
+                                          --dataset cifar10 --data-dir data --amp
+    2 nodes x 8 GPUs (on each node):  torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
+                                          --rdzv-endpoint=NODE0_HOST:29400 --rdzv-id=lab3 \
+                                          labs/lab3_ddp.py --dataset cifar10 --data-dir data
+    resume after a crash:             add --checkpoint-dir ckpt (and --resume on the restart)
+
+What you should see with the defaults: rank 0 prints the configuration (global batch 64 = 32 per
+rank x 2 ranks) and one line per epoch; the job-wide train loss falls from about 0.7 towards
+0.01 and the held-out accuracy ends above 97% after 10 epochs, in well under a minute on a 2-core
+CPU. Every number printed is for the whole job (all-reduced over ranks), not for rank 0 alone.
+"""
+
+import argparse
+import itertools
+import math
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from ddp_course.checkpoint import (
+    atomic_save, atomic_write_json, gather_rng_states, latest_checkpoint, load_checkpoint, save_checkpoint,
+)  # fmt: skip
+from ddp_course.cli import CourseArgumentParser, CourseError, non_negative_int, positive_float, positive_int
+from ddp_course.data import DATASETS, load_dataset
+from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
+from ddp_course.models import MODEL_FOR_DATASET, build_model
+from ddp_course.seeding import seed_everything, set_rng_state
+
+CHECKPOINT_KEYS = ("model_name", "model", "optimizer", "scaler", "epoch", "step_in_epoch", "global_step", "rng_states")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = CourseArgumentParser(prog="lab3_ddp.py", description="Train a model with DDP (see the docstring).")
+    parser.add_argument("--dataset", choices=DATASETS, default="digits", help="digits works offline")
+    parser.add_argument("--data-dir", default="data", help="where CIFAR-10 is, or is downloaded to")
+    parser.add_argument("--epochs", type=positive_int, default=10)
+    parser.add_argument("--max-steps", type=positive_int, help="stop after this many optimizer steps in total")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="per rank; global = this x world size")
+    parser.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (momentum 0.9)")
+    parser.add_argument("--seed", type=int, default=0, help="model initialization and data order")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: nccl with a GPU per rank, else gloo")
+    parser.add_argument("--amp", action="store_true", help="bf16 autocast on CUDA (refused on the CPU)")
+    parser.add_argument("--workers", type=non_negative_int, help="DataLoader workers per rank (default: auto)")
+    parser.add_argument("--checkpoint-dir", help="save a checkpoint here every epoch")
+    parser.add_argument("--checkpoint-every", type=positive_int, help="also save every N optimizer steps")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    parser.add_argument("--save", help="write the final model state_dict (plain keys) to this file")
+    parser.add_argument("--metrics-json", help="write the job's metrics as JSON to this file")
+    parser.add_argument("--timeout-s", type=positive_float, default=300.0, help="process-group timeout, seconds")
+    args = parser.parse_args(argv)
+    if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
+        parser.error("--resume and --checkpoint-every need --checkpoint-dir")
+    return args
+
+
+def restore(args, model_name, model, optimizer, scaler, ctx) -> dict:
+    """Load the newest checkpoint into model, optimizer and generators; return where to continue."""
+    start = {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
+    if not args.checkpoint_dir:
+        return start
+    path = latest_checkpoint(args.checkpoint_dir)
+    if not args.resume:
+        if path is not None:  # refuse, rather than overwrite another run's checkpoints
+            raise CourseError(f"{args.checkpoint_dir} already holds checkpoints: add --resume, or use an empty directory")
+        return start
+    if path is None:
+        log(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 0")
+        return start
+    state = load_checkpoint(path, CHECKPOINT_KEYS)
+    if state["model_name"] != model_name:
+        raise CourseError(f"{path} holds a {state['model_name']} model, but this run trains {model_name}")
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+    except (RuntimeError, ValueError, KeyError) as error:
+        raise CourseError(f"{path} does not fit this model or optimizer ({type(error).__name__})") from None
+    if len(state["rng_states"]) == ctx.world_size:
+        set_rng_state(state["rng_states"][ctx.rank])
+    else:
+        log(f"note: {path} was written by {len(state['rng_states'])} ranks, this job has {ctx.world_size}")
+    log(f"resumed from {path}: epoch {state['epoch']}, step {state['global_step']}")
+    return {key: state[key] for key in start}
+
+
+@torch.no_grad()
+def evaluate(model, loader, ctx) -> tuple[int, int]:
+    """(correct, total) over the WHOLE held-out set: each rank scores a disjoint slice, then we sum."""
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.long, device=ctx.device)  # [correct, seen]
+    for images, labels in loader:
+        images, labels = images.to(ctx.device), labels.to(ctx.device)
+        counts[0] += (model(images).argmax(dim=1) == labels).sum()
+        counts[1] += labels.numel()
+    dist.all_reduce(counts)  # sum over ranks; no sample is padded in or counted twice
+    model.train()
+    return int(counts[0]), int(counts[1])
+
+
+def train(ctx, args) -> dict:
+    if args.amp and ctx.device.type != "cuda":
+        raise CourseError("--amp needs a CUDA GPU (bf16 autocast); on the CPU run without --amp")
+    splits = load_dataset(args.dataset, args.data_dir, ctx.local_rank)
+    model_name = MODEL_FOR_DATASET[args.dataset]
+    seed_everything(args.seed)  # same seed on every rank: identical initial weights
+    model = build_model(model_name, splits.num_classes).to(ctx.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # bf16 keeps fp32's exponent range, so it needs no loss scaling; GPUs without bf16 get fp16 + scaler.
+    amp_dtype = torch.bfloat16 if not args.amp or torch.cuda.is_bf16_supported() else torch.float16
+    scaler = torch.amp.GradScaler("cuda", enabled=args.amp and amp_dtype == torch.float16)
+    global_batch = args.batch_size * ctx.world_size
+    log(
+        f"config: dataset={args.dataset} ({len(splits.train)} train / {len(splits.test)} held-out) "
+        f"model={model_name} world_size={ctx.world_size} backend={ctx.backend} device={ctx.device.type} "
+        f"batch={args.batch_size}/rank global_batch={global_batch} lr={args.lr} epochs={args.epochs} "
+        f"max_steps={args.max_steps} amp={args.amp} seed={args.seed}"
+    )
+    log(f"local_rank {ctx.local_rank} trains on {ctx.device}", every_rank=True)
+    start = restore(args, model_name, model, optimizer, scaler, ctx)
+
+    # DDP broadcasts rank 0's weights to all ranks, then all-reduces gradients during backward().
+    ddp_model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    # Each rank reads a disjoint 1/world_size of a permutation drawn from (seed + epoch).
+    sampler = DistributedSampler(splits.train, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed)
+    workers = args.workers if args.workers is not None else (0 if args.dataset == "digits" else 4)
+    loader = DataLoader(
+        splits.train, batch_size=args.batch_size, sampler=sampler, num_workers=workers,
+        pin_memory=ctx.device.type == "cuda", persistent_workers=workers > 0,
+    )  # fmt: skip
+    # Held-out: rank r takes samples r, r + world_size, ... - uneven slices, no padding duplicates.
+    eval_slice = Subset(splits.test, range(ctx.rank, len(splits.test), ctx.world_size))
+    eval_loader = DataLoader(eval_slice, batch_size=256, num_workers=min(workers, 2))
+
+    global_step, train_seconds, samples_trained = start["global_step"], 0.0, 0
+    train_loss, accuracy, last_saved_step = None, None, None
+    max_steps = args.max_steps or math.inf
+    for epoch in range(start["epoch"], args.epochs):
+        if global_step >= max_steps:
+            break
+        sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
+        skip = start["step_in_epoch"] if epoch == start["epoch"] else 0  # batches done before a resume
+        loss_sum = torch.zeros(2, device=ctx.device)  # [sum of per-sample losses, samples] on this rank
+        steps_this_epoch, epoch_start = skip, time.perf_counter()
+        for images, labels in itertools.islice(loader, skip, None):
+            images = images.to(ctx.device, non_blocking=True)
+            labels = labels.to(ctx.device, non_blocking=True)
+            with torch.autocast(ctx.device.type, dtype=amp_dtype, enabled=args.amp):
+                loss = F.cross_entropy(ddp_model(images), labels)  # mean over this rank's batch
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()  # gradients arrive averaged over all ranks
+            scaler.step(optimizer)
+            scaler.update()
+            global_step, steps_this_epoch = global_step + 1, steps_this_epoch + 1
+            loss_sum[0] += loss.detach().float() * labels.numel()
+            loss_sum[1] += labels.numel()
+            if args.checkpoint_every and global_step % args.checkpoint_every == 0:
+                position = resume_position(epoch, steps_this_epoch, len(loader))
+                save(args, model_name, model, optimizer, scaler, *position, global_step, ctx)
+                last_saved_step = global_step
+            if global_step >= max_steps:
+                break
+
+        dist.all_reduce(loss_sum)  # the job's loss, not rank 0's: sum over ranks, then divide
+        train_seconds += time.perf_counter() - epoch_start
+        samples_trained += int(loss_sum[1])
+        train_loss = float(loss_sum[0] / loss_sum[1])
+        if not math.isfinite(train_loss):
+            raise CourseError(f"the train loss became {train_loss} in epoch {epoch}: lower --lr (now {args.lr})")
+        correct, total = evaluate(model, eval_loader, ctx)
+        accuracy = correct / total
+        log(
+            f"epoch {epoch + 1}/{args.epochs} step {global_step} | train loss {train_loss:.4f} | "
+            f"held-out accuracy {accuracy:.2%} ({correct}/{total}) | "
+            f"{samples_trained / max(train_seconds, 1e-9):.0f} samples/s"
+        )
+        if args.checkpoint_dir and last_saved_step != global_step:
+            position = resume_position(epoch, steps_this_epoch, len(loader))
+            save(args, model_name, model, optimizer, scaler, *position, global_step, ctx)
+            last_saved_step = global_step
+
+    if args.save and ctx.is_main:
+        atomic_save(model.state_dict(), args.save)  # the bare model: keys without "module."
+    return {
+        "world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
+        "dataset": args.dataset, "model": model_name, "per_rank_batch_size": args.batch_size,
+        "global_batch_size": global_batch, "lr": args.lr, "amp": args.amp, "steps": global_step,
+        "samples_per_s": samples_trained / train_seconds if train_seconds else None,
+        "train_loss": train_loss, "eval_accuracy": accuracy,
+    }  # fmt: skip
+
+
+def resume_position(epoch: int, steps_done: int, steps_per_epoch: int) -> tuple[int, int]:
+    """(epoch, batches to skip) at which a restart continues after steps_done batches of epoch."""
+    return (epoch + 1, 0) if steps_done >= steps_per_epoch else (epoch, steps_done)
+
+
+def save(args, model_name, model, optimizer, scaler, epoch, step_in_epoch, global_step, ctx) -> None:
+    """Everything a restart needs; (epoch, step_in_epoch) is where training continues."""
+    rng_states = gather_rng_states()  # a collective: every rank calls save()
+    state = {
+        "model_name": model_name, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(), "epoch": epoch, "step_in_epoch": step_in_epoch,
+        "global_step": global_step, "rng_states": rng_states,
+    }  # fmt: skip
+    save_checkpoint(state, args.checkpoint_dir, global_step, ctx.is_main)
+
+
+def main(args) -> int:
+    started = time.perf_counter()
+    try:
+        ctx = setup_distributed(args.backend, timeout_s=args.timeout_s)
+        metrics = train(ctx, args)  # returns plain numbers: the DDP model is out of reach now
+        metrics["wall_s"] = time.perf_counter() - started
+        if args.metrics_json and ctx.is_main:
+            atomic_write_json(metrics, args.metrics_json)
+        return 0
+    except CourseError as error:
+        log_error(str(error))
+        return 1
+    finally:
+        teardown_distributed()  # gc.collect(), then destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))

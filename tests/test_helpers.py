@@ -1,0 +1,284 @@
+"""Unit tests of the shared helpers in ddp_course/ (single process, no torchrun unless stated)."""
+
+import argparse
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_course import checkpoint, cli, data, distributed, models, seeding
+from ddp_course.compare import max_relative_difference
+from ddp_course.launch import REPO_ROOT, run_torchrun
+
+SCRIPTS = REPO_ROOT / "tests" / "scripts"
+JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def outside_torchrun(monkeypatch):
+    for name in JOB_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+# ---- cli -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("parse", "text", "value"), [(cli.positive_int, "3", 3), (cli.non_negative_int, "0", 0), (cli.positive_float, "1e-3", 1e-3)])
+def test_argument_types_accept_valid_values(parse, text, value):
+    assert parse(text) == value
+
+
+@pytest.mark.parametrize(
+    ("parse", "text"),
+    [(cli.positive_int, "0"), (cli.positive_int, "-2"), (cli.positive_int, "2.5"), (cli.non_negative_int, "-1"),
+     (cli.positive_float, "0"), (cli.positive_float, "-1"), (cli.positive_float, "nan"), (cli.positive_float, "inf"),
+     (cli.positive_float, "fast")],
+)  # fmt: skip
+def test_argument_types_reject_invalid_values(parse, text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse(text)
+
+
+@pytest.mark.parametrize(("rank", "prints"), [("0", True), ("1", False)])
+def test_parser_error_is_one_line_from_rank_0_only(monkeypatch, capsys, rank, prints):
+    monkeypatch.setenv("RANK", rank)
+    parser = cli.CourseArgumentParser(prog="lab.py")
+    parser.add_argument("--lr", type=cli.positive_float)
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--lr", "-1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == ("lab.py: error: argument --lr: must be a positive number, got -1\n" if prints else "")
+
+
+# ---- distributed -----------------------------------------------------------------------------
+
+
+def test_setup_without_torchrun_forms_a_group_of_one(outside_torchrun):
+    ctx = distributed.setup_distributed("gloo", timeout_s=10)
+    try:
+        assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.is_main) == (0, 0, 1, True)
+        assert ctx.backend == "gloo" and ctx.device == torch.device("cpu")
+        value = torch.tensor([3.0])
+        dist.all_reduce(value)  # a real collective on the one-process group
+        assert value.item() == 3.0
+    finally:
+        distributed.teardown_distributed()
+    assert not dist.is_initialized()
+
+
+def fake_gpus(monkeypatch, count):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "requested", "local_world_size", "expected"),
+    [(0, "auto", 2, "gloo"), (2, "auto", 2, "nccl"), (8, "auto", 4, "nccl"), (1, "auto", 2, "gloo"),
+     (2, "gloo", 2, "gloo"), (2, "nccl", 2, "nccl")],
+)  # fmt: skip
+def test_backend_follows_the_gpus_on_this_node(monkeypatch, outside_torchrun, gpus, requested, local_world_size, expected):
+    fake_gpus(monkeypatch, gpus)
+    assert distributed.choose_backend(requested, local_world_size) == expected
+
+
+def test_more_ranks_than_gpus_falls_back_to_gloo_and_says_why(monkeypatch, outside_torchrun, capsys):
+    fake_gpus(monkeypatch, 1)
+    assert distributed.choose_backend("auto", 2) == "gloo"
+    assert "2 processes on this node but only 1 GPU(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("gpus", "local_world_size", "message"), [(0, 1, "none is visible"), (1, 2, "one GPU per process"), (4, 1, "unknown backend")])
+def test_impossible_backend_requests_are_course_errors(monkeypatch, gpus, local_world_size, message):
+    fake_gpus(monkeypatch, gpus)
+    requested = "mpi" if message == "unknown backend" else "nccl"
+    with pytest.raises(cli.CourseError, match=message):
+        distributed.choose_backend(requested, local_world_size)
+
+
+@pytest.mark.parametrize(("rank", "every_rank", "expected"), [("0", False, "hello\n"), ("1", False, ""), ("1", True, "[rank 1] hello\n")])
+def test_log_speaks_once_or_with_a_rank_prefix(monkeypatch, capsys, rank, every_rank, expected):
+    monkeypatch.setenv("RANK", rank)
+    distributed.log("hello", every_rank=every_rank)
+    assert capsys.readouterr().out == expected
+
+
+def test_log_error_goes_to_stderr_on_rank_0(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    distributed.log_error("bad thing")
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.endswith("error: bad thing\n")
+
+
+# ---- seeding ---------------------------------------------------------------------------------
+
+
+def test_same_seed_gives_the_same_model():
+    seeding.seed_everything(7)
+    first = models.DigitsCNN().state_dict()
+    seeding.seed_everything(7)
+    second = models.DigitsCNN().state_dict()
+    seeding.seed_everything(8)
+    third = models.DigitsCNN().state_dict()
+    assert max_relative_difference(first, second) == 0.0
+    assert max_relative_difference(first, third) > 0.1
+
+
+def test_rng_state_round_trips_through_a_safe_checkpoint(tmp_path):
+    import random
+
+    seeding.seed_everything(3)
+    checkpoint.atomic_save({"rng": seeding.get_rng_state()}, tmp_path / "rng.pt")
+    expected = (torch.rand(3), random.random())
+    seeding.seed_everything(99)
+    seeding.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
+    restored = (torch.rand(3), random.random())
+    assert torch.equal(expected[0], restored[0]) and expected[1] == restored[1]
+
+
+# ---- data and models -------------------------------------------------------------------------
+
+
+def test_digits_split_is_fixed_disjoint_and_standardized():
+    splits = data.load_digits()
+    train_images, train_labels = splits.train.tensors
+    test_images, _ = splits.test.tensors
+    assert (len(splits.train), len(splits.test)) == (1438, 359)
+    assert train_images.shape[1:] == (1, 8, 8) and train_labels.dtype == torch.long
+    assert set(train_labels.tolist()) == set(range(10))
+    assert abs(train_images.mean().item()) < 1e-5 and abs(train_images.std().item() - 1) < 1e-4
+    # Disjoint: no held-out image also appears in the training split.
+    train_rows = {tuple(row.tolist()) for row in train_images.flatten(1)}
+    overlap = sum(tuple(row.tolist()) in train_rows for row in test_images.flatten(1))
+    assert overlap <= 2  # the raw data holds a couple of identical images; a leak would be hundreds
+    assert torch.equal(data.load_digits().test.tensors[0], test_images)  # same split every call
+
+
+def test_unknown_dataset_is_a_course_error():
+    with pytest.raises(cli.CourseError, match="unknown dataset 'mnist'"):
+        data.load_dataset("mnist")
+
+
+def test_digits_cnn_shapes_and_no_batchnorm_or_dropout():
+    model = models.build_model("digits_cnn")
+    assert model(torch.zeros(5, 1, 8, 8)).shape == (5, 10)
+    forbidden = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.Dropout)
+    assert not any(isinstance(module, forbidden) for module in model.modules())
+
+
+def test_cifar_resnet18_keeps_32x32_resolution_in_its_stem():
+    model = models.build_model("resnet18")
+    assert model.conv1.stride == (1, 1) and isinstance(model.maxpool, torch.nn.Identity)
+    assert model.eval()(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_unknown_model_is_rejected():
+    with pytest.raises(ValueError, match="unknown model"):
+        models.build_model("vgg")
+
+
+def test_relative_difference_is_per_tensor():
+    reference = {"big": torch.full((100,), 10.0), "small": torch.full((2,), 1e-3)}
+    nudged = {"big": reference["big"].clone(), "small": reference["small"] * 1.5}
+    assert max_relative_difference(nudged, reference) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="different parameter names"):
+        max_relative_difference({"big": reference["big"]}, reference)
+
+
+# ---- checkpoint ------------------------------------------------------------------------------
+
+
+def test_checkpoints_are_listed_by_step_not_by_name(tmp_path):
+    for step in (9, 100, 10):
+        checkpoint.atomic_save({"step": step}, checkpoint.checkpoint_path(tmp_path, step))
+    (tmp_path / "checkpoint_step00000200.pt.tmp").write_bytes(b"half written")
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
+        "checkpoint_step00000009.pt", "checkpoint_step00000010.pt", "checkpoint_step00000100.pt",
+    ]  # fmt: skip
+    assert checkpoint.latest_checkpoint(tmp_path).name == "checkpoint_step00000100.pt"
+    assert checkpoint.latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_a_failed_save_leaves_the_previous_file_intact(tmp_path):
+    path = tmp_path / "model.pt"
+    checkpoint.atomic_save({"weights": torch.ones(3)}, path)
+    with pytest.raises(Exception):
+        checkpoint.atomic_save({"unpicklable": lambda: None}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["weights"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
+
+
+def test_save_checkpoint_keeps_the_newest_files(tmp_path, outside_torchrun):
+    for step in range(1, 6):
+        checkpoint.save_checkpoint({"global_step": step}, tmp_path, step, is_main=True, keep_last=2)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["checkpoint_step00000004.pt", "checkpoint_step00000005.pt"]
+
+
+def test_save_checkpoint_writes_nothing_on_other_ranks(tmp_path, outside_torchrun):
+    checkpoint.save_checkpoint({"global_step": 1}, tmp_path, 1, is_main=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_checkpoint_turns_every_failure_into_one_line(tmp_path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"\x00" * 100)
+    with pytest.raises(cli.CourseError, match="corrupt or not a checkpoint"):
+        checkpoint.load_checkpoint(garbage)
+    unsafe = tmp_path / "unsafe.pt"
+    torch.save({"model": argparse.Namespace(x=1)}, unsafe)  # arbitrary objects need weights_only=False
+    with pytest.raises(cli.CourseError, match="corrupt or not a checkpoint"):
+        checkpoint.load_checkpoint(unsafe)
+    partial = tmp_path / "partial.pt"
+    torch.save({"model": {}}, partial)
+    with pytest.raises(cli.CourseError, match="missing epoch"):
+        checkpoint.load_checkpoint(partial, ("model", "epoch"))
+
+
+def test_atomic_write_json(tmp_path, read_json):
+    checkpoint.atomic_write_json({"b": 1, "a": [1.5]}, tmp_path / "out" / "m.json")
+    assert read_json(tmp_path / "out" / "m.json") == {"a": [1.5], "b": 1}
+
+
+# ---- launch (real torchrun jobs) -------------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_launcher_runs_every_rank_with_torchrun_environment():
+    result = run_torchrun(SCRIPTS / "report_rank.py", ["--tag", "x"], nproc=2, timeout_s=60)
+    assert result.ok, result.describe()
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("[rank"))
+    assert lines == [
+        "[rank 0] world_size 2 local_rank 0 sum 1 tag x threads 1",
+        "[rank 1] world_size 2 local_rank 1 sum 1 tag x threads 1",
+    ]
+    assert "--standalone" in result.command and "--nproc_per_node=2" in result.command
+
+
+@pytest.mark.timeout(90)
+def test_launcher_kills_a_job_that_runs_past_its_timeout():
+    result = run_torchrun(SCRIPTS / "sleep_forever.py", nproc=2, timeout_s=8)
+    assert result.timed_out and result.returncode is None and not result.ok
+    assert result.wall_s < 30
+    time.sleep(1)
+    leftovers = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).endswith("sleep_forever.py")]
+    assert leftovers == []
+
+
+@pytest.mark.timeout(90)
+def test_process_group_timeout_turns_a_hang_into_an_error():
+    """Rank 1 never joins rank 0's all_reduce: with a 3 s timeout the job fails instead of hanging."""
+    result = run_torchrun(SCRIPTS / "skip_collective.py", ["--timeout-s", "3"], nproc=2, timeout_s=60)
+    assert not result.timed_out and result.returncode != 0, result.describe()
+    assert result.wall_s < 40, result.describe()
+    assert "rank 0 timed out in all_reduce" in result.stdout, result.describe()
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            return file.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
