@@ -11,9 +11,10 @@ Launch from the repository root:
     resume after a crash:             add --checkpoint-dir ckpt (and --resume on the restart)
 
 What you should see with the defaults: rank 0 prints the configuration (global batch 64 = 32 per
-rank x 2 ranks) and one line per epoch; the job-wide train loss falls from about 0.7 towards
-0.01 and the held-out accuracy ends above 97% after 10 epochs, in well under a minute on a 2-core
-CPU. Every number printed is for the whole job (all-reduced over ranks), not for rank 0 alone.
+rank x 2 ranks) and one line per epoch; the job-wide train loss falls from about 1.9 after the
+first epoch to about 0.001, and the held-out accuracy passes 97% by epoch 3 and ends near 99%,
+in about 10 s on a 2-core CPU. Every number printed is for the whole job (all-reduced over
+ranks), not for rank 0 alone. --metrics-json also records this per-epoch history.
 """
 
 import argparse
@@ -143,7 +144,7 @@ def train(ctx, args) -> dict:
     eval_loader = DataLoader(eval_slice, batch_size=256, num_workers=min(workers, 2))
 
     global_step, train_seconds, samples_trained = start["global_step"], 0.0, 0
-    train_loss, accuracy, last_saved_step = None, None, None
+    train_loss, accuracy, last_saved_step, history = None, None, None, []
     max_steps = args.max_steps or math.inf
     for epoch in range(start["epoch"], args.epochs):
         if global_step >= max_steps:
@@ -179,6 +180,7 @@ def train(ctx, args) -> dict:
             raise CourseError(f"the train loss became {train_loss} in epoch {epoch}: lower --lr (now {args.lr})")
         correct, total = evaluate(model, eval_loader, ctx)
         accuracy = correct / total
+        history.append({"epoch": epoch + 1, "step": global_step, "train_loss": train_loss, "eval_accuracy": accuracy})
         log(
             f"epoch {epoch + 1}/{args.epochs} step {global_step} | train loss {train_loss:.4f} | "
             f"held-out accuracy {accuracy:.2%} ({correct}/{total}) | "
@@ -196,7 +198,7 @@ def train(ctx, args) -> dict:
         "dataset": args.dataset, "model": model_name, "per_rank_batch_size": args.batch_size,
         "global_batch_size": global_batch, "lr": args.lr, "amp": args.amp, "steps": global_step,
         "samples_per_s": samples_trained / train_seconds if train_seconds else None,
-        "train_loss": train_loss, "eval_accuracy": accuracy,
+        "train_loss": train_loss, "eval_accuracy": accuracy, "history": history,
     }  # fmt: skip
 
 

@@ -35,6 +35,10 @@ def test_default_run_learns_above_97_percent(run_lab3, read_json, tmp_path):
     epoch_lines = re.findall(r"epoch (\d+)/10 .*\((\d+)/(\d+)\)", result.stdout)
     assert [int(epoch) for epoch, _, _ in epoch_lines] == list(range(1, 11))
     assert all(total == "359" for _, _, total in epoch_lines)
+    history = metrics["history"]
+    assert [entry["epoch"] for entry in history] == list(range(1, 11))
+    assert history[-1]["eval_accuracy"] == metrics["eval_accuracy"] and history[-1]["step"] == 230
+    assert history[0]["train_loss"] > history[-1]["train_loss"]
     assert "global_batch=64" in result.stdout
 
 
