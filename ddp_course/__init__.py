@@ -10,5 +10,6 @@ Only the boring parts live here; each lab keeps inline the DDP lines it teaches.
     compare      max_relative_difference() between two state_dicts
     checkpoint   atomic, rank-0 checkpoints that load with weights_only=True
     launch       run a script under torchrun in a subprocess, with a timeout
+    reporting    text tables and scaling plots for the measurement labs
     notebooks    re-execute notebooks in place with stored outputs (python -m ddp_course.notebooks)
 """

@@ -53,7 +53,7 @@ def run_torchrun(
     args=(),
     nproc: int = 2,
     timeout_s: float = 120,
-    threads_per_rank: int = 1,
+    threads_per_rank: int | None = 1,
     env: dict | None = None,
     torchrun_args=(),
     cwd: str | Path | None = None,
@@ -67,10 +67,15 @@ def run_torchrun(
     return run_command(command, timeout_s=timeout_s, threads_per_rank=threads_per_rank, env=env, cwd=cwd)
 
 
-def run_command(command: list[str], timeout_s: float = 120, threads_per_rank: int = 1, env=None, cwd=None) -> RunResult:
-    """Run a command in its own process group; on timeout kill the group (torchrun and its workers)."""
+def run_command(command: list[str], timeout_s: float = 120, threads_per_rank: int | None = 1, env=None, cwd=None) -> RunResult:
+    """Run a command in its own process group; on timeout kill the group (torchrun and its workers).
+
+    threads_per_rank=None leaves OMP_NUM_THREADS as the caller's environment has it.
+    """
     full_env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}
-    full_env.update({"OMP_NUM_THREADS": str(threads_per_rank), "PYTHONUNBUFFERED": "1"})
+    full_env["PYTHONUNBUFFERED"] = "1"
+    if threads_per_rank is not None:
+        full_env["OMP_NUM_THREADS"] = str(threads_per_rank)
     full_env.update(env or {})
     start = time.perf_counter()
     process = subprocess.Popen(

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 MODEL_FOR_DATASET = {"digits": "digits_cnn", "cifar10": "resnet18"}
+MODEL_NAMES = ("digits_cnn", "resnet18", "wide_mlp", "conv_net")
 
 
 class DigitsCNN(nn.Module):
@@ -37,6 +38,45 @@ class DigitsCNN(nn.Module):
         return self.classifier(self.features(images))
 
 
+class WideMLP(nn.Module):
+    """Many parameters, little arithmetic per sample: gradient traffic dominates (lab 5's comm-bound case).
+
+    With the defaults: 13.1 M parameters, so 52.5 MB of fp32 gradients to all-reduce every step,
+    for only 26 MFLOP of forward pass per sample (about three times that with the backward pass).
+    """
+
+    def __init__(self, in_features: int = 256, width: int = 2048, depth: int = 4, num_classes: int = 10):
+        super().__init__()
+        layers = [nn.Linear(in_features, width), nn.ReLU()]
+        for _ in range(depth - 1):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        layers.append(nn.Linear(width, num_classes))
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.layers(features)
+
+
+class ConvNet(nn.Module):
+    """Few parameters, much arithmetic per sample: compute dominates (lab 5's compute-bound case).
+
+    Three 3x3 convolutions on 3x32x32 images: 0.09 M parameters (0.38 MB of gradients) for 77 MFLOP
+    of forward pass per image: about 400 times the arithmetic per byte of gradient of WideMLP.
+    """
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 32, kernel_size=3, padding=1), nn.ReLU(),  # (B, 32, 32, 32)
+            nn.Conv2d(32, 64, kernel_size=3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # (B, 64, 16, 16)
+            nn.Conv2d(64, 128, kernel_size=3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),  # (B, 128, 1, 1)
+        )  # fmt: skip
+        self.classifier = nn.Linear(128, num_classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(images).flatten(1))
+
+
 def resnet18_cifar(num_classes: int = 10) -> nn.Module:
     """torchvision's resnet18, no pretrained weights, with the small-image stem used for CIFAR.
 
@@ -58,4 +98,8 @@ def build_model(name: str, num_classes: int = 10) -> nn.Module:
         return DigitsCNN(num_classes)
     if name == "resnet18":
         return resnet18_cifar(num_classes)
-    raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODEL_FOR_DATASET.values())}")
+    if name == "wide_mlp":
+        return WideMLP(num_classes=num_classes)
+    if name == "conv_net":
+        return ConvNet(num_classes)
+    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_course import checkpoint, cli, data, distributed, models, seeding
+from ddp_course import checkpoint, cli, data, distributed, models, reporting, seeding
 from ddp_course.compare import max_relative_difference
 from ddp_course.launch import REPO_ROOT, run_torchrun
 
@@ -39,6 +39,15 @@ def test_argument_types_accept_valid_values(parse, text, value):
 def test_argument_types_reject_invalid_values(parse, text):
     with pytest.raises(argparse.ArgumentTypeError):
         parse(text)
+
+
+def test_list_arguments_for_sweeps():
+    assert cli.int_list("1,2,4") == [1, 2, 4]
+    assert cli.float_list("1,25.5") == [1.0, 25.5]
+    assert cli.name_list("comm_bound, resnet18") == ["comm_bound", "resnet18"]
+    for parse, text in ((cli.int_list, "1,0"), (cli.int_list, "1,,2"), (cli.float_list, "1,-3"), (cli.name_list, "a,")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
 
 
 @pytest.mark.parametrize(("rank", "prints"), [("0", True), ("1", False)])
@@ -172,6 +181,32 @@ def test_cifar_resnet18_keeps_32x32_resolution_in_its_stem():
     model = models.build_model("resnet18")
     assert model.conv1.stride == (1, 1) and isinstance(model.maxpool, torch.nn.Identity)
     assert model.eval()(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+
+
+@pytest.mark.parametrize(("name", "input_shape", "parameters"), [("wide_mlp", (256,), 13_135_882), ("conv_net", (3, 32, 32), 94_538)])
+def test_scaling_models_have_the_documented_sizes(name, input_shape, parameters):
+    model = models.build_model(name)
+    assert sum(p.numel() for p in model.parameters()) == parameters
+    assert model(torch.zeros(2, *input_shape)).shape == (2, 10)
+
+
+def test_format_table_aligns_columns_and_rounds():
+    table = reporting.format_table([{"config": "a", "rate": 1234.5678, "x": None}, {"config": "long_name", "rate": 2.0}], ["config", "rate", "x"])
+    assert table.splitlines() == [
+        "   config  rate  x",
+        "---------  ----  -",
+        "        a  1235  -",
+        "long_name     2  -",
+    ]
+
+
+def test_plot_scaling_writes_a_figure(tmp_path):
+    records = [
+        {"config": "c", "bucket_cap_mb": 25.0, "world_size": n, "samples_per_s": 100.0 * n * 0.9, "comm_fraction": 0.1 * n}
+        for n in (1, 2, 4)
+    ]
+    reporting.plot_scaling(records, str(tmp_path / "scaling.png"))
+    assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_unknown_model_is_rejected():

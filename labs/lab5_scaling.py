@@ -1,0 +1,211 @@
+"""Lab 5, the scaling checkpoint: how fast does DDP train on N processes, and where does time go?
+
+One run (under torchrun) times training steps of one configuration twice: with DDP's gradient
+all-reduce, and under `ddp_model.no_sync()`, which skips it. The difference is the communication
+that the backward pass could not hide:  comm_fraction = 1 - step_time(no_sync) / step_time(DDP).
+
+    one measurement, 2 CPU processes:  torchrun --standalone --nproc_per_node=2 labs/lab5_scaling.py --config comm_bound
+    the checkpoint sweep (no torchrun): python labs/lab5_scaling.py --sweep 1,2 --json runs/scaling.json
+    bucket sizes too:                   python labs/lab5_scaling.py --sweep 1,2 --bucket-caps 1,25,100 --json runs/b.json
+    strong scaling (fixed global batch): python labs/lab5_scaling.py --sweep 1,2 --global-batch 64 --json runs/s.json
+    8 GPUs (NCCL, bf16):                python labs/lab5_scaling.py --sweep 1,2,4,8 --configs resnet18 --amp --json runs/gpu.json
+    2 nodes: on each node, torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
+             --rdzv-endpoint=NODE0_HOST:29400 --rdzv-id=lab5 labs/lab5_scaling.py --config resnet18 --amp --json runs/2x8.json
+
+What you should see on a 2-core CPU: the sweep prints a table in about two minutes. compute_bound
+(a small CNN, 0.4 MB of gradients per step) keeps most of its per-rank throughput at 2 ranks;
+comm_bound (a wide MLP, 52 MB of gradients per step) loses about half of it, and its comm_fraction
+says why. The sweep pins one thread per rank (OMP_NUM_THREADS=1) so that 1 and 2 ranks compare fairly.
+"""
+
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_course.checkpoint import atomic_write_json
+from ddp_course.cli import CourseArgumentParser, CourseError, float_list, int_list, name_list, positive_float, positive_int
+from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
+from ddp_course.launch import run_torchrun
+from ddp_course.models import build_model
+from ddp_course.reporting import format_table, plot_scaling
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    input_shape: tuple
+    batch_size: int  # per rank, unless --global-batch sets it
+    purpose: str
+
+
+CONFIGS = {
+    "comm_bound": Config("wide_mlp", (256,), 8, "13 M parameters, 26 MFLOP per sample: gradient traffic dominates"),
+    "compute_bound": Config("conv_net", (3, 32, 32), 32, "0.1 M parameters, 77 MFLOP per image: arithmetic dominates"),
+    "resnet18": Config("resnet18", (3, 32, 32), 128, "11 M parameters on CIFAR-sized images: the realistic GPU case"),
+}
+
+
+def parse_args(argv=None):
+    parser = CourseArgumentParser(prog="lab5_scaling.py", description="Measure DDP throughput and communication.")
+    parser.add_argument("--config", choices=CONFIGS, default="compute_bound", help="what one torchrun job measures")
+    parser.add_argument("--batch-size", type=positive_int, help="per rank (default: the config's)")
+    parser.add_argument("--global-batch", type=positive_int, help="strong scaling: split this batch over the ranks")
+    parser.add_argument("--bucket-cap-mb", type=positive_float, default=25.0, help="DDP gradient bucket size (25)")
+    parser.add_argument("--warmup-steps", type=positive_int, default=3)
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per repeat")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="alternate DDP/no_sync timings, keep the median")
+    parser.add_argument("--amp", action="store_true", help="bf16 autocast (CUDA only)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    parser.add_argument("--timeout-s", type=positive_float, default=120.0)
+    parser.add_argument("--json", help="write the result (or, with --sweep, the list of results) here")
+    sweep = parser.add_argument_group("sweep driver (run with plain python, not torchrun)")
+    sweep.add_argument("--sweep", type=int_list, help="world sizes, e.g. 1,2 or 1,2,4,8")
+    sweep.add_argument("--configs", type=name_list, default="compute_bound,comm_bound", help="configs to sweep")
+    sweep.add_argument("--bucket-caps", type=float_list, default=[25.0], help="DDP bucket sizes in MB, e.g. 1,25,100")
+    sweep.add_argument("--threads-per-rank", type=positive_int, default=1, help="OMP_NUM_THREADS of every rank")
+    sweep.add_argument("--plot", help="figure path (default: next to --json, .png)")
+    args = parser.parse_args(argv)
+    if args.sweep and "RANK" in os.environ:
+        parser.error("--sweep launches torchrun itself: run it with plain python")
+    if args.sweep and not args.json:
+        parser.error("--sweep needs --json PATH for its results")
+    unknown = [name for name in args.configs if name not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown config(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    return args
+
+
+def seconds_per_step(ddp_model, optimizer, inputs, labels, steps, sync, ctx, amp) -> float:
+    """Average time of one training step on this rank; sync=False skips the gradient all-reduce."""
+    skip_sync = contextlib.nullcontext if sync else ddp_model.no_sync
+    dist.barrier()  # start together, so no rank's clock includes waiting for a late peer
+    start = time.perf_counter()
+    for _ in range(steps):
+        with skip_sync(), torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = F.cross_entropy(ddp_model(inputs), labels)
+            loss.backward()  # with sync, DDP all-reduces gradient buckets while backward runs
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()  # GPU work is asynchronous: wait for it before reading the clock
+    return (time.perf_counter() - start) / steps
+
+
+def measure(ctx, args) -> dict:
+    config = CONFIGS[args.config]
+    if args.amp and ctx.device.type != "cuda":
+        raise CourseError("--amp needs a CUDA GPU (bf16 autocast); on the CPU run without --amp")
+    if args.global_batch and args.global_batch % ctx.world_size:
+        raise CourseError(f"--global-batch {args.global_batch} does not split evenly over {ctx.world_size} ranks")
+    batch = args.global_batch // ctx.world_size if args.global_batch else (args.batch_size or config.batch_size)
+
+    torch.manual_seed(0)
+    model = build_model(config.model).to(ctx.device)
+    ddp_model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None, bucket_cap_mb=args.bucket_cap_mb)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=1e-3)
+    # Synthetic data already on the device: we time the training step, not data loading.
+    inputs = torch.randn(batch, *config.input_shape, device=ctx.device)
+    labels = torch.randint(0, 10, (batch,), device=ctx.device)
+
+    seconds_per_step(ddp_model, optimizer, inputs, labels, args.warmup_steps, True, ctx, args.amp)
+    timings = {True: [], False: []}
+    for _ in range(args.repeats):  # alternate, so drift in machine load hits both modes alike
+        for sync in (True, False):
+            timings[sync].append(seconds_per_step(ddp_model, optimizer, inputs, labels, args.steps, sync, ctx, args.amp))
+    mine = torch.tensor([sorted(timings[s])[len(timings[s]) // 2] for s in (True, False)], dtype=torch.float64)
+    every_rank = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(every_rank, mine.to(ctx.device) if ctx.backend == "nccl" else mine)
+    every_rank = [times.cpu() for times in every_rank]
+    # The job moves at the pace of its slowest rank: every step ends in the same all-reduce.
+    step_time = max(float(times[0]) for times in every_rank)
+    step_time_no_sync = max(float(times[1]) for times in every_rank)
+    gradient_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+    return {
+        "config": args.config, "model": config.model, "world_size": ctx.world_size, "backend": ctx.backend,
+        "device": ctx.device.type, "per_rank_batch": batch, "global_batch": batch * ctx.world_size,
+        "bucket_cap_mb": args.bucket_cap_mb, "amp": args.amp, "gradient_mb": round(gradient_mb, 3),
+        "threads_per_rank": torch.get_num_threads(), "step_time_s": step_time,
+        "step_time_no_sync_s": step_time_no_sync, "comm_fraction": max(0.0, 1 - step_time_no_sync / step_time),
+        "samples_per_s": batch * ctx.world_size / step_time,
+        "per_rank_samples_per_s": [batch / float(times[0]) for times in every_rank],
+    }  # fmt: skip
+
+
+def run_sweep(args) -> int:
+    """Launch one torchrun job per (config, bucket cap, world size) and add the scaling efficiency."""
+    records, out_dir = [], Path(args.json).resolve().parent
+    for config in args.configs:
+        for bucket_cap in args.bucket_caps:
+            for world_size in args.sweep:
+                result_file = out_dir / f".lab5_{config}_{bucket_cap:g}mb_{world_size}.json"
+                job_args = ["--config", config, "--bucket-cap-mb", bucket_cap, "--json", result_file,
+                            "--warmup-steps", args.warmup_steps, "--steps", args.steps, "--repeats", args.repeats,
+                            "--backend", args.backend, "--timeout-s", args.timeout_s]  # fmt: skip
+                job_args += ["--amp"] * args.amp
+                job_args += ["--global-batch", args.global_batch] if args.global_batch else []
+                job_args += ["--batch-size", args.batch_size] if args.batch_size else []
+                print(f"measuring {config} on {world_size} rank(s), buckets of {bucket_cap:g} MB ...", flush=True)
+                job = run_torchrun(__file__, job_args, nproc=world_size, threads_per_rank=args.threads_per_rank, timeout_s=600)
+                if not job.ok:
+                    print(job.describe(), file=sys.stderr)
+                    raise CourseError(f"the {config} job on {world_size} rank(s) failed (its output is above)")
+                records.append(read_and_remove(result_file))
+    add_efficiency(records, strong=bool(args.global_batch))
+    atomic_write_json(records, args.json)
+    columns = ["config", "bucket_cap_mb", "world_size", "per_rank_batch", "samples_per_s", "step_time_s", "comm_fraction"]
+    print(format_table(records, columns + ["strong_scaling_efficiency" if args.global_batch else "weak_scaling_efficiency"]))
+    plot_path = args.plot or str(Path(args.json).with_suffix(".png"))
+    plot_scaling(records, plot_path)
+    print(f"results: {args.json}   figure: {plot_path}")
+    return 0
+
+
+def read_and_remove(path: Path) -> dict:
+    record = json.loads(path.read_text())
+    path.unlink()
+    return record
+
+
+def add_efficiency(records: list[dict], strong: bool) -> None:
+    """efficiency = global throughput / (N x one rank's throughput); 1.0 is perfect scaling.
+
+    Weak scaling keeps the per-rank batch (the global batch grows with N); strong scaling keeps the
+    global batch (each rank's share shrinks). The formula is the same in samples per second.
+    """
+    key = "strong_scaling_efficiency" if strong else "weak_scaling_efficiency"
+    for record in records:
+        single = [r for r in records if r["world_size"] == 1 and r["config"] == record["config"]
+                  and r["bucket_cap_mb"] == record["bucket_cap_mb"]]  # fmt: skip
+        efficiency = record["samples_per_s"] / (record["world_size"] * single[0]["samples_per_s"]) if single else None
+        record["weak_scaling_efficiency"] = None if strong else efficiency
+        record[key] = efficiency
+
+
+def main(args) -> int:
+    try:
+        if args.sweep:
+            return run_sweep(args)
+        ctx = setup_distributed(args.backend, timeout_s=args.timeout_s)
+        record = measure(ctx, args)  # returns plain numbers: the DDP model is out of reach now
+        log(format_table([record], ["config", "world_size", "per_rank_batch", "samples_per_s", "step_time_s", "step_time_no_sync_s", "comm_fraction"]))
+        if args.json and ctx.is_main:
+            atomic_write_json(record, args.json)
+        return 0
+    except CourseError as error:
+        log_error(str(error))
+        return 1
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))
