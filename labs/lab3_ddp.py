@@ -173,9 +173,9 @@ def train(ctx, args) -> dict:
                 break
 
         dist.all_reduce(loss_sum)  # the job's loss, not rank 0's: sum over ranks, then divide
+        train_loss = float(loss_sum[0] / loss_sum[1])  # float() waits for the GPU, so the clock is fair
         train_seconds += time.perf_counter() - epoch_start
         samples_trained += int(loss_sum[1])
-        train_loss = float(loss_sum[0] / loss_sum[1])
         if not math.isfinite(train_loss):
             raise CourseError(f"the train loss became {train_loss} in epoch {epoch}: lower --lr (now {args.lr})")
         correct, total = evaluate(model, eval_loader, ctx)
