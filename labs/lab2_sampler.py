@@ -77,7 +77,7 @@ def read_shards(ctx, args, drop_last=False) -> list[list[int]]:
     """The sample ids this rank's DataLoader yields, one list per epoch."""
     dataset = TensorDataset(torch.arange(args.dataset_size))  # sample i is the number i
     sampler = make_sampler(dataset, ctx, args, drop_last=drop_last)
-    loader = DataLoader(dataset, batch_size=4, sampler=sampler)  # no shuffle=True: the sampler shuffles
+    loader = DataLoader(dataset, batch_size=64, sampler=sampler)  # no shuffle=True: the sampler shuffles
     shards = []
     for epoch in range(args.epochs):
         if args.bug != "no-set-epoch":
