@@ -116,6 +116,9 @@ def train(ctx, args) -> dict:
     model_name = MODEL_FOR_DATASET[args.dataset]
     seed_everything(args.seed)  # same seed on every rank: identical initial weights
     model = build_model(model_name, splits.num_classes).to(ctx.device)
+    # From here on randomness must differ per rank, or every rank's DataLoader workers would draw
+    # the same crops and flips (CIFAR-10 augmentation) for their different images.
+    seed_everything(args.seed + ctx.rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # bf16 keeps fp32's exponent range, so it needs no loss scaling; GPUs without bf16 get fp16 + scaler.
     amp_dtype = torch.bfloat16 if not args.amp or torch.cuda.is_bf16_supported() else torch.float16
