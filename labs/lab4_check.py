@@ -1,0 +1,419 @@
+"""Lab 4 checker: run a DDP training script on 2 CPU ranks, watch what it does, judge seven checks.
+
+    python labs/lab4_check.py                            # checks labs/lab4_broken_ddp.py
+    python labs/lab4_check.py path/to/your_fixed_copy.py
+    python labs/lab4_check.py --show-output SCRIPT       # also print what the script itself printed
+
+The script runs under torchrun with 2 gloo ranks on the CPU, launched through labs/lab4_observe.py,
+which records every batch each rank read, the first optimizer steps' parameters and gradients, and
+every collective called from Python. The checker never reads the script's source: each verdict
+comes from what the run did, from the file it saved, and from the metrics it reported, which the
+checker recomputes. The script must accept the lab's flags (--epochs, --batch-size, --lr, --seed,
+--backend, --timeout-s, --save, --metrics-json), train ddp_course.models.DigitsCNN on
+ddp_course.data.load_digits() and read its data with DataLoaders in the main process.
+
+One line per check: PASS, FAIL with the evidence and a hint about the concept involved, or BLOCKED
+with the reason the check could not be observed (the job died before it). Exit status 0 only when
+all seven pass. A job that hangs is stopped: the script gets a short --timeout-s, and the whole run
+is killed after JOB_TIMEOUT_S seconds. A check takes about 20 s on a quiet 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from ddp_course.cli import CourseArgumentParser
+from ddp_course.data import load_digits
+from ddp_course.launch import REPO_ROOT, RunResult, run_torchrun
+from ddp_course.models import DigitsCNN
+
+OBSERVER = Path(__file__).resolve().parent / "lab4_observe.py"
+DEFAULT_SCRIPT = "labs/lab4_broken_ddp.py"
+WORLD_SIZE = 2
+BATCH_SIZE = 128  # per rank: 6 steps per epoch with a correct split, 12 without one
+# Two epochs show whether the second one is shuffled anew; 6 to 12 steps of 256 samples at the lab's
+# learning rate keep even the broken script's loss finite, so its run reaches the end. --timeout-s
+# stays above lab4_observe.STALL_S, so that an unmatched collective is recorded before gloo gives up.
+SCRIPT_ARGS = ["--epochs", "2", "--batch-size", str(BATCH_SIZE), "--lr", "0.05", "--seed", "0", "--backend", "gloo", "--timeout-s", "10"]
+JOB_TIMEOUT_S = 60  # the script's own --timeout-s ends a hung collective long before this
+GRADIENT_TOLERANCE = 1e-3  # relative; float32 recomputation agrees to about 1e-6
+
+CHECKS = {
+    1: ("data-split", "DDP averages gradients, it does not split the data: in every epoch each rank must read its own share of the samples"),
+    2: ("fresh-gradients", "backward() adds to the .grad already there: each optimizer step must start from empty gradients"),
+    3: ("saved-model", "DDP wraps your model and names its tensors after the wrapper: save what a bare model (for inference or a new job) can load"),
+    4: ("epoch-shuffle", "a distributed sampler shuffles with a seed and the epoch number; if it never learns the epoch, every epoch repeats the first one's order"),
+    5: ("collectives", "a collective finishes only when every rank of the group calls it, in the same order; a collective in a branch that some ranks skip leaves the others waiting (TORCH_DISTRIBUTED_DEBUG=DETAIL names both calls)"),
+    6: ("reported-accuracy", "each rank scores only its slice of the held-out set: the job's accuracy needs every rank's counts"),
+    7: ("gradient-scale", "DDP's all-reduce already averages the gradients over ranks; any extra scaling of the loss changes every step's size"),
+}  # fmt: skip
+
+
+@dataclass
+class Verdict:
+    number: int
+    status: str  # PASS, FAIL or BLOCKED
+    evidence: str
+
+    def line(self) -> str:
+        name, hint = CHECKS[self.number]
+        text = f"{self.number} {name:<18} {self.status:<7} {self.evidence}"
+        return text + (f" -- hint: {hint}" if self.status == "FAIL" else "")
+
+
+@dataclass
+class Observation:
+    """What one observed run left behind."""
+
+    run: RunResult
+    out_dir: Path
+    events: dict[int, list[dict]] = field(default_factory=dict)  # rank -> its events, in order
+
+    @property
+    def finished(self) -> bool:
+        return self.run.ok
+
+    def ended(self) -> str:
+        """How the job ended, in words that fit after 'the job'."""
+        if self.run.timed_out:
+            return f"hung and was killed after {JOB_TIMEOUT_S} s"
+        if self.run.ok:
+            return "finished"
+        return f"died (exit status {self.run.returncode}: {failure_reason(self.run.stderr)})"
+
+    def batches(self, rank: int, role: str, epoch: int) -> list[int]:
+        """Sample indices rank read from the train or held-out set in that pass, in order."""
+        found = []
+        for event in self.events.get(rank, []):
+            if event["kind"] == "batch" and event["role"] == role and event["epoch"] == epoch:
+                found.extend(event["indices"])
+        return found
+
+    def passes(self, rank: int, role: str) -> int:
+        return 1 + max((e["epoch"] for e in self.events.get(rank, []) if e["kind"] == "batch" and e["role"] == role), default=-1)
+
+    def final_states(self) -> dict[int, dict | None]:
+        """Each rank's last published state (what it was doing when the job ended)."""
+        states = {}
+        for rank in range(WORLD_SIZE):
+            path = self.out_dir / f"state-r{rank}.json"
+            states[rank] = json.loads(path.read_text()) if path.exists() else None
+        return states
+
+    def step_record(self, rank: int, step: int) -> dict | None:
+        path = self.out_dir / f"step-r{rank}-{step}.pt"
+        return torch.load(path, weights_only=True) if path.exists() else None
+
+
+def failure_reason(stderr: str) -> str:
+    """The script's own error line, or the first exception a rank printed."""
+    for pattern in (r"^\S+\.py: error: (.*)$", r"^\[rank\d+\]: (\w+(?:Error|Exception): .*)$", r"^(\w+(?:Error|Exception): .*)$"):
+        found = [re.sub(r"^(\w+: )\[[^\]]*\]\s*", r"\1", line)[:200] for line in re.findall(pattern, stderr, flags=re.MULTILINE)]
+        if found:  # a rank that timed out says why; its peer may only see the connection it left
+            return next((line for line in found if "Timed out" in line), found[0])
+    return "no error message"
+
+
+def observe(script: Path, out_dir: Path, rescue: bool = True) -> Observation:
+    args = [out_dir, script, *SCRIPT_ARGS, "--save", out_dir / "model.pt", "--metrics-json", out_dir / "metrics.json"]
+    env = {"CUDA_VISIBLE_DEVICES": "", "LAB4_OBSERVE_RESCUE": "1" if rescue else "0"}
+    run = run_torchrun(OBSERVER, args, nproc=WORLD_SIZE, timeout_s=JOB_TIMEOUT_S, env=env)
+    observation = Observation(run, out_dir)
+    for rank in range(WORLD_SIZE):
+        path = out_dir / f"events-r{rank}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        observation.events[rank] = [json.loads(line) for line in lines if line.strip()]
+    return observation
+
+
+# --- checks 1 and 4: which samples each rank read --------------------------------------------------------
+def check_data_split(obs: Observation, train_size: int) -> Verdict:
+    orders = {rank: obs.batches(rank, "train", 0) for rank in range(WORLD_SIZE)}
+    silent = [rank for rank, order in orders.items() if not order]
+    if silent:
+        return Verdict(1, "BLOCKED", f"rank {silent[0]} read no training batch: the job {obs.ended()}")
+    for rank in range(WORLD_SIZE):
+        for other in range(rank + 1, WORLD_SIZE):
+            shared = set(orders[rank]) & set(orders[other])
+            # DistributedSampler pads the last round with fewer than world_size repeated samples.
+            if len(shared) >= WORLD_SIZE:
+                first = next(i for i in orders[rank] if i in shared)
+                return Verdict(
+                    1, "FAIL",
+                    f"ranks {rank} and {other} both trained on sample {first} in epoch 0 ({len(shared)} of the "
+                    f"{train_size} training samples were read by both)",
+                )  # fmt: skip
+    epoch_complete = obs.finished or all(obs.passes(rank, "train") > 1 for rank in range(WORLD_SIZE))
+    if not epoch_complete:
+        return Verdict(1, "BLOCKED", f"epoch 0 never completed: the job {obs.ended()}")
+    unread = set(range(train_size)) - set().union(*orders.values())
+    if unread:
+        return Verdict(1, "FAIL", f"{len(unread)} training samples were read by no rank in epoch 0 (sample {min(unread)}, ...)")
+    sizes = ", ".join(str(len(orders[rank])) for rank in range(WORLD_SIZE))
+    return Verdict(1, "PASS", f"in epoch 0 the ranks read disjoint shares ({sizes} samples) covering all {train_size}")
+
+
+def check_epoch_shuffle(obs: Observation) -> Verdict:
+    repeated = []
+    for rank in range(WORLD_SIZE):
+        first, second = obs.batches(rank, "train", 0), obs.batches(rank, "train", 1)
+        if not second:
+            return Verdict(4, "BLOCKED", f"rank {rank} never started a second epoch: the job {obs.ended()}")
+        if second == first[: len(second)]:
+            repeated.append((rank, second))
+    if len(repeated) == WORLD_SIZE:
+        rank, order = repeated[0]
+        start = ", ".join(map(str, order[:4]))
+        return Verdict(4, "FAIL", f"rank {rank} read the same {len(order)} samples in the same order in epochs 0 and 1 ({start}, ...)")
+    return Verdict(4, "PASS", "every rank read its samples in a new order in epoch 1")
+
+
+# --- checks 2 and 7: gradients against a recomputed reference ----------------------------------------------
+def reference_gradient(records: dict[int, dict], images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Gradient of the loss DDP should optimize: the mean over ranks of each rank's mean batch loss."""
+    model = DigitsCNN()
+    vector_to_parameters(records[0]["params"], model.parameters())
+    per_rank = []
+    for rank in sorted(records):
+        batch = torch.tensor(records[rank]["batch"])
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(images[batch]), labels[batch]).backward()
+        per_rank.append(parameters_to_vector(p.grad for p in model.parameters()))
+    return torch.stack(per_rank).mean(dim=0)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / a.norm().clamp_min(1e-30))
+
+
+def gradient_steps(obs: Observation, train) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
+    """[(observed, reference) per recorded step], or a reason why none could be compared."""
+    images, labels = train.tensors
+    expected_shapes = [list(p.shape) for p in DigitsCNN().parameters()]
+    steps = []
+    for step in range(1, 4):
+        records = {rank: obs.step_record(rank, step) for rank in range(WORLD_SIZE)}
+        if any(record is None for record in records.values()):
+            break
+        if records[0]["shapes"] != expected_shapes:
+            return [], "the optimizer's parameters are not those of a DigitsCNN"
+        if records[0]["missing_grads"] or not records[0]["batch"]:
+            return [], f"in step {step} some parameters had no gradient, or no training batch was read"
+        steps.append((records[0]["grads"], reference_gradient(records, images, labels)))
+    return steps, None
+
+
+def check_gradient_scale(steps, problem: str | None, obs: Observation) -> tuple[Verdict, float | None]:
+    """Verdict on step 1's gradient, and its scale against the reference (None: not a multiple of it)."""
+    if problem:
+        return Verdict(7, "BLOCKED", problem), None
+    if not steps:
+        return Verdict(7, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}"), None
+    observed, reference = steps[0]
+    scale = float(observed @ reference / (reference @ reference))
+    global_batch = f"{WORLD_SIZE} ranks x {BATCH_SIZE} samples"
+    if relative(observed, scale * reference) > GRADIENT_TOLERANCE:
+        off = relative(observed, reference)
+        return Verdict(7, "FAIL", f"step 1's gradient is not the gradient of the mean loss over the global batch ({global_batch}): relative difference {off:.2f}"), None
+    if abs(scale - 1) > GRADIENT_TOLERANCE:
+        return Verdict(7, "FAIL", f"step 1's gradient is {scale:.2f} x the gradient of the mean loss over the global batch ({global_batch})"), scale
+    return Verdict(7, "PASS", f"step 1's gradient equals the gradient of the mean loss over the global batch ({global_batch})"), scale
+
+
+def check_fresh_gradients(steps, problem: str | None, scale: float | None, obs: Observation) -> Verdict:
+    if problem:
+        return Verdict(2, "BLOCKED", problem)
+    if len(steps) < 2:
+        return Verdict(2, "BLOCKED", f"fewer than 2 optimizer steps were recorded: the job {obs.ended()}")
+    if scale is None:
+        return Verdict(2, "BLOCKED", "step 1's gradient is not a multiple of the reference (check 7), so later steps cannot be compared")
+    for step in range(1, len(steps)):
+        (observed, reference), (previous, _) = steps[step], steps[step - 1]
+        if relative(observed, scale * reference) <= GRADIENT_TOLERANCE:
+            continue
+        if relative(observed, scale * reference + previous) <= GRADIENT_TOLERANCE:
+            return Verdict(2, "FAIL", f"step {step + 1}'s gradient is step {step}'s gradient plus that of its own batch: gradients pile up from step to step")
+        return Verdict(2, "FAIL", f"step {step + 1}'s gradient is neither its own batch's gradient nor that plus step {step}'s")
+    return Verdict(2, "PASS", f"steps 2 to {len(steps)} each hold only the gradient of their own batch")
+
+
+# --- checks 3 and 6: the saved model and the reported accuracy ---------------------------------------------
+def check_saved_model(obs: Observation) -> tuple[Verdict, dict | None]:
+    """Verdict on the --save file, and the weights it holds (keys without 'module.') when usable."""
+    path = obs.out_dir / "model.pt"
+    if not path.exists():
+        if obs.finished:
+            return Verdict(3, "FAIL", "the job finished but wrote no file at --save"), None
+        return Verdict(3, "BLOCKED", f"no file at --save: the job {obs.ended()} before writing it"), None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # not a torch file, or not safe to load
+        return Verdict(3, "FAIL", f"the file at --save does not load with torch.load(weights_only=True) ({type(error).__name__})"), None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        return Verdict(3, "FAIL", "the file at --save is not a state_dict (a dict of tensors)"), None
+    weights = {name.removeprefix("module."): tensor for name, tensor in state.items()}
+    model = DigitsCNN()
+    try:
+        model.load_state_dict(state)
+    except RuntimeError:
+        wrapped = [name for name in state if name.startswith("module.")]
+        if wrapped:
+            evidence = f"its keys start with 'module.' ('{wrapped[0]}'), so it does not load into a bare DigitsCNN, which expects '{wrapped[0].removeprefix('module.')}'"
+        else:
+            expected = set(model.state_dict())
+            evidence = f"it does not load into a bare DigitsCNN (unexpected keys {sorted(set(state) - expected)[:2]}, missing {sorted(expected - set(state))[:2]})"
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError:
+            weights = None
+        return Verdict(3, "FAIL", evidence), weights
+    first_step = obs.step_record(0, 1)
+    if first_step is not None and torch.equal(parameters_to_vector(model.parameters()), first_step["params"]):
+        return Verdict(3, "FAIL", "it holds the initial weights: training never reached the saved file"), weights
+    return Verdict(3, "PASS", "it loads into a bare DigitsCNN (strict) and holds trained weights"), weights
+
+
+@torch.no_grad()
+def count_correct(weights: dict, images: torch.Tensor, labels: torch.Tensor) -> int:
+    model = DigitsCNN()
+    model.load_state_dict(weights)
+    return int((model.eval()(images).argmax(dim=1) == labels).sum())
+
+
+def check_reported_accuracy(obs: Observation, weights: dict | None, held_out) -> Verdict:
+    metrics_path = obs.out_dir / "metrics.json"
+    if not metrics_path.exists():
+        if obs.finished:
+            return Verdict(6, "FAIL", "the job finished but wrote no --metrics-json")
+        return Verdict(6, "BLOCKED", f"no --metrics-json: the job {obs.ended()} before writing it")
+    reported = json.loads(metrics_path.read_text()).get("eval_accuracy")
+    if not isinstance(reported, (int, float)):
+        return Verdict(6, "FAIL", "--metrics-json has no numeric eval_accuracy")
+    if weights is None:
+        return Verdict(6, "BLOCKED", "no usable weights at --save to recompute the accuracy from")
+    images, labels = held_out.tensors
+    correct, total = count_correct(weights, images, labels), len(labels)
+    if abs(reported - correct / total) < 0.5 / total:
+        return Verdict(6, "PASS", f"the reported eval_accuracy {reported:.4f} is the saved model's on all {total} held-out images ({correct}/{total})")
+    whole = f"on all {total} held-out images it scores {correct / total:.4f} ({correct}/{total})"
+    for rank in range(WORLD_SIZE):
+        seen = sorted(set(obs.batches(rank, "held_out", obs.passes(rank, "held_out") - 1)))
+        if seen and len(seen) < total:
+            shard = torch.tensor(seen)
+            shard_correct = count_correct(weights, images[shard], labels[shard])
+            if abs(reported - shard_correct / len(seen)) < 0.5 / len(seen):
+                return Verdict(
+                    6, "FAIL",
+                    f"the reported eval_accuracy {reported:.4f} is the saved model's score on the {len(seen)} held-out "
+                    f"images rank {rank} evaluated ({shard_correct}/{len(seen)}); {whole}",
+                )  # fmt: skip
+    return Verdict(6, "FAIL", f"the reported eval_accuracy is {reported:.4f}, but {whole}")
+
+
+# --- check 5: collectives ----------------------------------------------------------------------------------
+def where(call: dict) -> str:
+    return f"{call['what']} after optimizer step {call['step']} (epoch {max(call['epoch'], 0)})"
+
+
+def describe_unmatched(event: dict) -> str:
+    called = f"rank {event['rank']} called {where(event)}"
+    peer, did = event["peer"], event["peer_did"]
+    if did == "other_call":
+        return f"{called} while rank {peer} called {event['peer_what']}"
+    if did == "went_on":
+        return f"{called}; rank {peer} went on training without making that call"
+    if did == "finished":
+        return f"{called}; rank {peer} finished without making that call"
+    if did == "stalled":
+        return f"{called}; rank {peer} made no matching call within {event['stall_s']:g} s"
+    return f"{called}, but rank {peer} called it as {event['peer_what']}"
+
+
+def check_collectives(obs: Observation) -> Verdict:
+    events = [e for rank in range(WORLD_SIZE) for e in obs.events.get(rank, [])]
+    unmatched = sorted((e for e in events if e["kind"] == "collective" and e["decision"] == "skip"), key=lambda e: (e["progress"], e["rank"]))
+    if unmatched:
+        first = unmatched[0]
+        # The other side of the same mismatch, as that rank recorded it (whichever rank decided first).
+        other = next((e for e in unmatched if e["rank"] != first["rank"] and e["progress"] == first["progress"] and e["key"] != first["key"]), None)
+        mismatch = f"rank {first['rank']} called {where(first)} while rank {other['rank']} called {other['what']}" if other else describe_unmatched(first)
+        epochs = ", ".join(str(epoch) for epoch in sorted({max(e["epoch"], 0) for e in unmatched}))
+        return Verdict(
+            5, "FAIL",
+            f"{mismatch} (calls went unmatched in epoch {epochs}; unobserved, the ranks would wait there until "
+            f"--timeout-s and the job would die)",
+        )  # fmt: skip
+    errors = sorted((e for e in events if e["kind"] == "collective_error"), key=lambda e: e["rank"])
+    if errors:
+        waited = " while ".join(f"rank {e['rank']} waited in {where(e)}" for e in errors)
+        # The rank that timed out first says why; its peer may then only see the closed connection.
+        reason = next((e["error"] for e in errors if "Timed out" in e["error"]), errors[0]["error"])
+        return Verdict(5, "FAIL", f"{waited}, until gloo gave up: {reason}")
+    if obs.run.timed_out:
+        stuck = [(rank, state["inside"]) for rank, state in obs.final_states().items() if state and state["inside"]]
+        inside = "; ".join(f"rank {rank} was waiting in {where(call)}" for rank, call in stuck) or "no rank was inside a collective called from Python"
+        return Verdict(5, "FAIL", f"the job hung and was killed after {JOB_TIMEOUT_S} s: {inside}")
+    if not obs.finished:
+        return Verdict(5, "BLOCKED", f"the job {obs.ended()} before every collective could be observed")
+    calls = sum(1 for e in obs.events.get(0, []) if e["kind"] == "collective")
+    return Verdict(5, "PASS", f"every rank made the same {calls} collective calls, in the same order, and the job finished")
+
+
+def check(script: Path, out_dir: Path, rescue: bool = True) -> tuple[Observation, list[Verdict]]:
+    """Run script under observation and decide the seven checks, in order."""
+    obs = observe(script, out_dir, rescue)
+    splits = load_digits()
+    steps, problem = gradient_steps(obs, splits.train)
+    scale_verdict, scale = check_gradient_scale(steps, problem, obs)
+    saved_verdict, weights = check_saved_model(obs)
+    verdicts = [
+        check_data_split(obs, len(splits.train)),
+        check_fresh_gradients(steps, problem, scale, obs),
+        saved_verdict,
+        check_epoch_shuffle(obs),
+        check_collectives(obs),
+        check_reported_accuracy(obs, weights, splits.test),
+        scale_verdict,
+    ]
+    return obs, verdicts
+
+
+def main(argv=None) -> int:
+    parser = CourseArgumentParser(prog="lab4_check.py", description="Check a DDP training script by running it (see the docstring).")
+    parser.add_argument("script", nargs="?", default=DEFAULT_SCRIPT, help=f"the script to check (default {DEFAULT_SCRIPT})")
+    parser.add_argument("--show-output", action="store_true", help="also print the script's stdout and stderr")
+    parser.add_argument(
+        "--no-rescue", action="store_true",
+        help="let unmatched collectives run as they would unobserved (the job then waits for --timeout-s and dies)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    script = Path(args.script)
+    if not script.is_absolute() and not script.exists():
+        script = REPO_ROOT / script  # so that the default works from any folder
+    if not script.is_file():
+        parser.error(f"no such script: {args.script}")
+
+    print(f"lab 4 checker: {args.script} under torchrun, {WORLD_SIZE} gloo ranks on the CPU: {' '.join(SCRIPT_ARGS)}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="lab4_check_") as out_dir:
+        obs, verdicts = check(script.resolve(), Path(out_dir), rescue=not args.no_rescue)
+    if args.show_output:
+        print(f"--- the script's stdout\n{obs.run.stdout}--- its stderr\n{obs.run.stderr}--- end of the script's output")
+    print(f"the job {obs.ended()}")
+    for verdict in verdicts:
+        print(verdict.line())
+    counts = {status: sum(v.status == status for v in verdicts) for status in ("PASS", "FAIL", "BLOCKED")}
+    print(f"result: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['BLOCKED']} blocked of {len(verdicts)} checks")
+    return 0 if counts["PASS"] == len(verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Lab 4: the checker finds every planted bug from what the script does, and only that bug.
+
+Each test launches a real torchrun job (2 gloo ranks on the CPU) through labs/lab4_check.py, which
+runs the script under labs/lab4_observe.py. The copies with one bug are made here from the solution,
+with the same edits that turn the solution into labs/lab4_broken_ddp.py, so the exercise, the
+solution and these tests cannot drift apart.
+"""
+
+import ast
+import importlib.util
+import re
+import sys
+
+import pytest
+
+from ddp_course.launch import REPO_ROOT, run_command
+
+BROKEN = REPO_ROOT / "labs" / "lab4_broken_ddp.py"
+SOLUTION = REPO_ROOT / "solutions" / "lab4_broken_ddp.py"
+CHECKER = REPO_ROOT / "labs" / "lab4_check.py"
+
+# The seven planted bugs, each as the edit that puts it back into the solution: (old text, new text).
+BUGS = {
+    1: (  # no DistributedSampler in the DataLoader: every rank reads the whole training set, in the same order
+        "loader = DataLoader(splits.train, batch_size=args.batch_size, sampler=sampler)",
+        "loader = DataLoader(splits.train, batch_size=args.batch_size, shuffle=True)",
+    ),
+    2: (  # no zero_grad(): gradients accumulate across steps
+        "            optimizer.zero_grad(set_to_none=True)  # backward() adds to .grad: clear the last step's\n",
+        "",
+    ),
+    3: (  # saves the DDP wrapper's state_dict: keys start with "module."
+        "atomic_save(model.state_dict(), args.save)  # the bare model's weights: keys without \"module.\"",
+        "atomic_save(ddp_model.state_dict(), args.save)  # the trained weights",
+    ),
+    4: (  # no set_epoch(): the same order every epoch
+        "        sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank\n",
+        "",
+    ),
+    5: (  # a collective called on rank 0 only: rank 0 waits in all_reduce, the others in the barrier
+        "        dist.all_reduce(loss_sum)  # every rank joins a collective, also the ranks that print nothing\n",
+        "        if ctx.is_main:\n            dist.all_reduce(loss_sum)  # the job's loss, for the log line\n",
+    ),
+    6: (  # held-out counts never summed over ranks: rank 0 reports the accuracy of its slice
+        "    dist.all_reduce(counts)  # sum over ranks: each rank scored its slice, the job's accuracy counts them all\n",
+        "",
+    ),
+    7: (  # the loss divided by the world size on top of DDP's averaging
+        "            loss.backward()  # DDP all-reduces: every rank now holds the gradient averaged over ranks\n",
+        "            (loss / ctx.world_size).backward()  # each rank contributes 1/world_size of the gradient\n",
+    ),
+}  # fmt: skip
+
+# What the checker must say about each bug: the check's line matches this (status, then evidence).
+EVIDENCE = {
+    1: r"FAIL +ranks 0 and 1 both trained on sample \d+ in epoch 0 \(1438 of the 1438 training samples were read by both\)",
+    2: r"FAIL +step 2's gradient is step 1's gradient plus that of its own batch",
+    3: r"FAIL +its keys start with 'module\.' \('module\.features\.0\.weight'\)",
+    4: r"FAIL +rank 0 read the same 719 samples in the same order in epochs 0 and 1",
+    5: r"FAIL +rank 0 called all_reduce of a 2-element float32 tensor after optimizer step \d+ \(epoch 0\) while rank 1 called barrier",
+    6: r"FAIL +the reported eval_accuracy 0\.\d{4} is the saved model's score on the 180 held-out images rank 0 evaluated \(\d+/180\); on all 359 held-out images it scores 0\.\d{4} \(\d+/359\)",
+    7: r"FAIL +step 1's gradient is 0\.50 x the gradient of the mean loss over the global batch",
+}  # fmt: skip
+LINE = re.compile(r"^(\d) (\S+) +(PASS|FAIL|BLOCKED) +(.*)$")
+
+
+def with_bugs(source: str, bugs) -> str:
+    for bug in bugs:
+        old, new = BUGS[bug]
+        assert source.count(old) == 1, f"bug {bug}: the solution must contain its text exactly once: {old!r}"
+        source = source.replace(old, new)
+    return source
+
+
+def code_without_docstring(source: str) -> str:
+    docstring = ast.parse(source).body[0]
+    assert isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant), "no module docstring"
+    return "".join(source.splitlines(keepends=True)[docstring.end_lineno :])
+
+
+def verdict_lines(output: str) -> dict[int, str]:
+    """{check number: 'STATUS evidence'} from the checker's output: every check once, a hint on every FAIL."""
+    found = {}
+    for line in output.splitlines():
+        match = LINE.match(line)
+        if match:
+            number, status, text = int(match.group(1)), match.group(3), match.group(4)
+            evidence, _, hint = text.partition(" -- hint: ")
+            assert number not in found and bool(hint) == (status == "FAIL"), line
+            found[number] = f"{status} {evidence}"
+    assert sorted(found) == list(range(1, 8)), output
+    return found
+
+
+@pytest.fixture(scope="module")
+def checker():
+    """labs/lab4_check.py as a module: calling it in this process saves the checker's start-up."""
+    spec = importlib.util.spec_from_file_location("lab4_check", CHECKER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_in_process(checker, script, out_dir, rescue=True) -> tuple[object, dict[int, str]]:
+    out_dir.mkdir()
+    observation, verdicts = checker.check(script, out_dir, rescue=rescue)
+    lines = "\n".join(verdict.line() for verdict in verdicts)
+    return observation, verdict_lines(lines)
+
+
+@pytest.fixture(scope="module")
+def broken_check(checker, tmp_path_factory):
+    """The checker's command-line run on labs/lab4_broken_ddp.py, shared by the tests that read it."""
+    return run_command([sys.executable, str(CHECKER)], timeout_s=150)
+
+
+def test_broken_script_is_the_solution_with_the_seven_bugs_put_back():
+    solution, broken = SOLUTION.read_text(), BROKEN.read_text()
+    assert code_without_docstring(with_bugs(solution, BUGS)) == code_without_docstring(broken)
+    assert code_without_docstring(solution) != code_without_docstring(broken)
+    # The exercise says what the script should do and how to check it, not where the bugs are.
+    docstring = ast.get_docstring(ast.parse(broken))
+    assert "python labs/lab4_check.py" in docstring and "seven bugs" in docstring
+    assert not re.search(r"zero_grad|set_epoch|module\.|DistributedSampler|all_reduce|world_size\)", docstring)
+
+
+@pytest.mark.timeout(180)
+def test_checker_fails_the_broken_script_with_evidence(broken_check):
+    assert broken_check.returncode == 1, broken_check.describe()
+    assert "the job finished" in broken_check.stdout, broken_check.describe()
+    verdicts = verdict_lines(broken_check.stdout)
+    for bug in (1, 2, 3, 5, 6, 7):
+        assert re.match(EVIDENCE[bug], verdicts[bug]), verdicts[bug]
+    # Bug 4 hides behind bug 1: without a DistributedSampler, the DataLoader's own shuffle gives each
+    # epoch a new order. The checker reports what the run did; the bug shows once bug 1 is fixed.
+    assert verdicts[4] == "PASS every rank read its samples in a new order in epoch 1"
+    assert "result: 1 passed, 6 failed, 0 blocked of 7 checks" in broken_check.stdout
+
+
+@pytest.mark.timeout(180)
+def test_when_the_hang_kills_the_job_later_checks_are_blocked_not_guessed(checker, tmp_path):
+    """Unrescued, the broken job hangs at the end of epoch 0 and dies at --timeout-s."""
+    observation, verdicts = check_in_process(checker, BROKEN, tmp_path / "observed", rescue=False)
+    assert not observation.run.ok and not observation.run.timed_out, observation.run.describe()
+    assert re.match(
+        r"FAIL rank 0 waited in all_reduce of a 2-element float32 tensor after optimizer step 12 \(epoch 0\)"
+        r"( while rank 1 waited in barrier after optimizer step 12 \(epoch 0\))?, until gloo gave up: Timed out waiting 10000ms",
+        verdicts[5],
+    ), verdicts[5]
+    for bug in (1, 2, 7):  # observed before the hang
+        assert re.match(EVIDENCE[bug], verdicts[bug]), verdicts[bug]
+    died = r"the job died \(exit status 1: RuntimeError: Timed out waiting 10000ms for recv operation to complete\)"
+    assert re.fullmatch(f"BLOCKED no file at --save: {died} before writing it", verdicts[3]), verdicts[3]
+    assert re.fullmatch(f"BLOCKED rank 0 never started a second epoch: {died}", verdicts[4]), verdicts[4]
+    assert re.fullmatch(f"BLOCKED no --metrics-json: {died} before writing it", verdicts[6]), verdicts[6]
+
+
+@pytest.mark.timeout(150)
+def test_solution_passes_all_seven_checks():
+    result = run_command([sys.executable, str(CHECKER), str(SOLUTION)], timeout_s=120)
+    assert result.returncode == 0, result.describe()
+    verdicts = verdict_lines(result.stdout)
+    assert all(line.startswith("PASS ") for line in verdicts.values()), result.stdout
+    assert "in epoch 0 the ranks read disjoint shares (719, 719 samples) covering all 1438" in verdicts[1]
+    assert re.search(r"reported eval_accuracy 0\.\d{4} is the saved model's on all 359 held-out images", verdicts[6])
+    assert "result: 7 passed, 0 failed, 0 blocked of 7 checks" in result.stdout
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_each_bug_alone_fails_its_check_and_only_it(checker, tmp_path, bug):
+    script = tmp_path / "lab4_broken_ddp.py"
+    script.write_text(with_bugs(SOLUTION.read_text(), [bug]))
+    observation, verdicts = check_in_process(checker, script, tmp_path / "observed")
+    assert observation.run.ok, observation.run.describe()
+    assert re.match(EVIDENCE[bug], verdicts[bug]), verdicts[bug]
+    others = {number: line for number, line in verdicts.items() if number != bug}
+    assert all(line.startswith("PASS ") for line in others.values()), others
+
+
+@pytest.mark.timeout(150)
+def test_a_job_that_hangs_is_killed_and_reported(checker, tmp_path, monkeypatch):
+    """A hang outside any collective: the checker kills the job at its own limit and says so."""
+    monkeypatch.setattr(checker, "JOB_TIMEOUT_S", 30)
+    hung = SOLUTION.read_text().replace(
+        "        if args.metrics_json and ctx.is_main:\n",
+        "        time.sleep(3600)  # stuck after training, before writing the metrics\n        if args.metrics_json and ctx.is_main:\n",
+    )
+    script = tmp_path / "lab4_hangs.py"
+    script.write_text(hung)
+    observation, verdicts = check_in_process(checker, script, tmp_path / "observed")
+    assert observation.run.timed_out and observation.run.wall_s < 60, observation.run.describe()
+    assert verdicts[5] == "FAIL the job hung and was killed after 30 s: no rank was inside a collective called from Python"
+    assert verdicts[6] == "BLOCKED no --metrics-json: the job hung and was killed after 30 s before writing it"
+    for number in (1, 2, 3, 4, 7):  # all observed before the hang
+        assert verdicts[number].startswith("PASS "), verdicts[number]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        ([str(CHECKER), "no_such_script.py"], r"^lab4_check\.py: error: no such script: no_such_script\.py$"),
+        ([str(CHECKER), "--verbose"], r"^lab4_check\.py: error: unrecognized arguments: --verbose$"),
+        ([str(BROKEN), "--timeout-s", "0"], r"^lab4_broken_ddp\.py: error: argument --timeout-s: must be a positive number, got 0$"),
+        ([str(SOLUTION), "--batch-size", "many"], r"^lab4_broken_ddp\.py: error: argument --batch-size: must be an integer, got 'many'$"),
+    ],
+)
+def test_bad_command_lines_fail_with_one_line(command, expected):
+    result = run_command([sys.executable, *command], timeout_s=50)
+    assert result.returncode == 2 and not result.stdout, result.describe()
+    assert re.match(expected, result.stderr.strip()) and len(result.stderr.strip().splitlines()) == 1, result.describe()
