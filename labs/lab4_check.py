@@ -131,8 +131,15 @@ def observe(script: Path, out_dir: Path, rescue: bool = True) -> Observation:
     for rank in range(WORLD_SIZE):
         path = out_dir / f"events-r{rank}.jsonl"
         lines = path.read_text().splitlines() if path.exists() else []
-        observation.events[rank] = [json.loads(line) for line in lines if line.strip()]
+        observation.events[rank] = [event for event in map(parse_event, lines) if event is not None]
     return observation
+
+
+def parse_event(line: str) -> dict | None:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None  # half a line, from a rank killed while writing it
 
 
 # --- checks 1 and 4: which samples each rank read --------------------------------------------------------

@@ -143,9 +143,13 @@ def test_when_the_hang_kills_the_job_later_checks_are_blocked_not_guessed(checke
     """Unrescued, the broken job hangs at the end of epoch 0 and dies at --timeout-s."""
     observation, verdicts = check_in_process(checker, BROKEN, tmp_path / "observed", rescue=False)
     assert not observation.run.ok and not observation.run.timed_out, observation.run.describe()
-    assert re.match(
-        r"FAIL rank 0 waited in all_reduce of a 2-element float32 tensor after optimizer step 12 \(epoch 0\)"
-        r"( while rank 1 waited in barrier after optimizer step 12 \(epoch 0\))?, until gloo gave up: Timed out waiting 10000ms",
+    # Both ranks time out; the one that gives up second may instead see its peer's connection close,
+    # or be stopped by torchrun before it records anything.
+    assert verdicts[5].startswith("FAIL rank "), verdicts[5]
+    assert verdicts[5].endswith("until gloo gave up: Timed out waiting 10000ms for recv operation to complete"), verdicts[5]
+    assert re.search(
+        r"rank 0 waited in all_reduce of a 2-element float32 tensor after optimizer step 12 \(epoch 0\)"
+        r"|rank 1 waited in barrier after optimizer step 12 \(epoch 0\)",
         verdicts[5],
     ), verdicts[5]
     for bug in (1, 2, 7):  # observed before the hang
