@@ -22,8 +22,7 @@ def main() -> int:
         result = run_torchrun(REPO_ROOT / "labs" / "lab3_ddp.py", ["--max-steps", "3"], nproc=2, timeout_s=120)
         if not result.ok:
             failures += 1
-            aborted = "terminate called" in result.stderr or "SIGABRT" in result.stderr
-            print(f"run {run}: exit {result.returncode}{' (abort at exit)' if aborted else ''}", flush=True)
+            print(f"run {run}: exit {result.returncode}{' (abort at exit)' if result.aborted_at_exit else ''}", flush=True)
     print(f"{failures} of {args.runs} runs failed")
     return 1 if failures else 0
 

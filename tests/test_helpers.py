@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ddp_course import checkpoint, cli, data, distributed, models, reporting, seeding
 from ddp_course.compare import max_relative_difference
-from ddp_course.launch import REPO_ROOT, run_torchrun
+from ddp_course.launch import REPO_ROOT, RunResult, run_torchrun
 
 SCRIPTS = REPO_ROOT / "tests" / "scripts"
 JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -53,6 +53,8 @@ def test_list_arguments_for_sweeps():
 @pytest.mark.parametrize(("rank", "prints"), [("0", True), ("1", False)])
 def test_parser_error_is_one_line_from_rank_0_only(monkeypatch, capsys, rank, prints):
     monkeypatch.setenv("RANK", rank)
+    sleeps = []
+    monkeypatch.setattr(cli.time, "sleep", sleeps.append)  # record the quiet rank's grace instead of waiting
     parser = cli.CourseArgumentParser(prog="lab.py")
     parser.add_argument("--lr", type=cli.positive_float)
     with pytest.raises(SystemExit) as exit_info:
@@ -60,6 +62,8 @@ def test_parser_error_is_one_line_from_rank_0_only(monkeypatch, capsys, rank, pr
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err == ("lab.py: error: argument --lr: must be a positive number, got -1\n" if prints else "")
+    # A quiet rank leaves rank 0 time to speak before torchrun stops the job; rank 0 exits at once.
+    assert sleeps == ([] if prints else [cli.QUIET_RANK_GRACE_S])
 
 
 # ---- distributed -----------------------------------------------------------------------------
@@ -317,3 +321,12 @@ def _cmdline(pid):
             return file.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def test_run_result_recognises_only_the_gloo_exit_abort():
+    def result(returncode, stderr):
+        return RunResult(command=["x"], returncode=returncode, stdout="", stderr=stderr, wall_s=0.1, timed_out=False)
+
+    assert result(-6, "terminate called without an active exception\n").aborted_at_exit
+    assert not result(1, "lab5_scaling.py: error: --amp needs a CUDA GPU\n").aborted_at_exit
+    assert not result(0, "terminate called without an active exception\n").aborted_at_exit  # a job that succeeded
