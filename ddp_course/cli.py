@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 
 class CourseError(Exception):
@@ -16,16 +17,25 @@ class CourseError(Exception):
     """
 
 
+# How long a quiet rank waits, after a bad flag, for rank 0 to report it (bounded: never a hang).
+QUIET_RANK_GRACE_S = 15.0
+
+
 class CourseArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad flag once per job instead of once per rank.
 
     Every torchrun worker parses the same command line, so every worker would print the same
-    usage and error; rank 0 speaks, the others exit quietly with the same status 2.
+    usage and error; rank 0 speaks, the others exit with the same status 2 - but not at once:
+    torchrun stops every worker as soon as one fails, and a rank that quit first could get rank 0
+    killed before it has printed (seen here when rank 0 was still importing torch). Rank 0 reaches
+    the same error within seconds, and its exit makes torchrun stop the waiting ranks.
     """
 
     def error(self, message: str):  # noqa: D102 - same contract as argparse
         if os.environ.get("RANK", "0") == "0":
             print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(QUIET_RANK_GRACE_S)
         sys.exit(2)
 
 
