@@ -35,6 +35,15 @@ def test_one_measurement_under_torchrun(tmp_path, read_json):
     assert "comm_fraction" in result.stdout  # rank 0's table
 
 
+@pytest.mark.timeout(120)
+def test_fp16_compression_hook_is_recorded(tmp_path, read_json):
+    result = run_torchrun(LAB5, ["--config", "comm_bound", "--comm-hook", "fp16", "--json", tmp_path / "r.json", *FAST], nproc=2)
+    assert result.ok, result.describe()
+    record = read_json(tmp_path / "r.json")
+    assert (record["comm_hook"], record["world_size"]) == ("fp16", 2)
+    assert record["step_time_s"] > 0 and 0 <= record["comm_fraction"] < 1
+
+
 @pytest.mark.timeout(300)
 def test_weak_scaling_sweep_with_two_bucket_sizes(tmp_path, read_json):
     out = tmp_path / "sweep.json"
@@ -85,7 +94,11 @@ def test_driver_bad_flags_fail_with_one_line(args, expected):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("args", "expected"),
-    [(["--global-batch", "7"], "does not split evenly over 2 ranks"), (["--amp"], "--amp needs a CUDA GPU")],
+    [
+        (["--global-batch", "7"], "does not split evenly over 2 ranks"),
+        (["--amp"], "--amp needs a CUDA GPU"),
+        (["--comm-hook", "bf16"], "--comm-hook bf16 needs the NCCL backend"),
+    ],
 )
 def test_impossible_measurements_fail_with_one_line(args, expected):
     result = run_torchrun(LAB5, args, nproc=2)
