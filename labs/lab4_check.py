@@ -52,7 +52,7 @@ CHECKS = {
     2: ("fresh-gradients", "backward() adds to the .grad already there: each optimizer step must start from empty gradients"),
     3: ("saved-model", "DDP wraps your model and names its tensors after the wrapper: save what a bare model (for inference or a new job) can load"),
     4: ("epoch-shuffle", "a distributed sampler shuffles with a seed and the epoch number; if it never learns the epoch, every epoch repeats the first one's order"),
-    5: ("collectives", "a collective finishes only when every rank of the group calls it, in the same order; a collective in a branch that some ranks skip leaves the others waiting (TORCH_DISTRIBUTED_DEBUG=DETAIL names both calls)"),
+    5: ("collectives", "a collective finishes only when every rank of the group calls it, in the same order; a collective in a branch that some ranks skip leaves the others waiting (TORCH_DISTRIBUTED_DEBUG=DETAIL names both calls; on gloo, try it on a small reproduction without DDP)"),
     6: ("reported-accuracy", "each rank scores only its slice of the held-out set: the job's accuracy needs every rank's counts"),
     7: ("gradient-scale", "DDP's all-reduce already averages the gradients over ranks; any extra scaling of the loss changes every step's size"),
 }  # fmt: skip

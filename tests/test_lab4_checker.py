@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from ddp_course.launch import REPO_ROOT, run_command
+from ddp_course.launch import REPO_ROOT, run_command, run_torchrun
 
 BROKEN = REPO_ROOT / "labs" / "lab4_broken_ddp.py"
 SOLUTION = REPO_ROOT / "solutions" / "lab4_broken_ddp.py"
@@ -215,3 +215,15 @@ def test_bad_command_lines_fail_with_one_line(command, expected):
     result = run_command([sys.executable, *command], timeout_s=50)
     assert result.returncode == 2 and not result.stdout, result.describe()
     assert re.match(expected, result.stderr.strip()) and len(result.stderr.strip().splitlines()) == 1, result.describe()
+
+
+@pytest.mark.timeout(150)
+def test_detail_mode_names_each_ranks_collective_in_the_minimal_hang():
+    """The sheet's reproduction: with DETAIL both ranks stop at once, each naming its own collective."""
+    minimal = REPO_ROOT / "labs" / "lab4_minimal_hang.py"
+    result = run_torchrun(minimal, [], nproc=2, timeout_s=120, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert result.returncode == 1 and result.wall_s < 30, result.describe()
+    assert "the default group's gloo backend is a _ProcessGroupWrapper" in result.stdout
+    own_collective = re.compile(r"^\[rank (\d)\] Detected mismatch between collectives on ranks\. Rank \1 is running "
+                                r"collective: CollectiveFingerPrint\(SequenceNumber=2,? ?OpType=(\w+)", re.MULTILINE)
+    assert sorted(own_collective.findall(result.stdout)) == [("0", "ALLREDUCE"), ("1", "BARRIER")], result.stdout
