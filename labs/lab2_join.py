@@ -1,0 +1,133 @@
+"""Lab 2, part 2: DDP on uneven inputs - the hang, and the fix with Join.
+
+DistributedSampler pads the data so that every rank runs the same number of steps. Data split any
+other way is usually uneven: ranks that read their own files, or a filter applied after sharding.
+Here rank r trains on a slice of the training digits proportional to r + 1 (with 2 ranks, a third
+and two thirds), so the ranks run different numbers of steps. DDP all-reduces the gradients in
+every backward(): when the rank with fewer batches stops, the others wait in their next all-reduce
+for a peer that never comes.
+
+    the hang (fails after --timeout-s):  torchrun --standalone --nproc_per_node=2 labs/lab2_join.py
+    the fix:                             torchrun --standalone --nproc_per_node=2 labs/lab2_join.py --join
+    3 ranks, 3 different lengths:        torchrun --standalone --nproc_per_node=3 labs/lab2_join.py --join
+
+With --join the training loop runs inside `Join([ddp_model])`. A rank that runs out of batches
+joins early and, until every rank has joined, answers its peers' all-reduces with zero gradients;
+when the last rank finishes, DDP copies its weights to every rank (torch's DistributedDataParallel
+.join_hook documents both). What you should see with 2 ranks: without --join, each rank says in one
+line where it stopped - rank 0, with fewer batches, at the end-of-epoch barrier, rank 1 in the
+all-reduce of its step 16 - and why (a timeout after --timeout-s seconds, or a connection its peer
+closed on giving up), and the job exits with status 1; with --join, the steps each rank ran (15
+and 30), identical weights on every rank, and the held-out accuracy of the trained model.
+"""
+
+import re
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+
+from ddp_course.checkpoint import atomic_write_json
+from ddp_course.cli import CourseArgumentParser, positive_float, positive_int
+from ddp_course.data import load_digits
+from ddp_course.distributed import BACKENDS, log, setup_distributed, teardown_distributed
+from ddp_course.models import DigitsCNN
+from ddp_course.seeding import seed_everything
+
+
+def parse_args(argv=None):
+    parser = CourseArgumentParser(prog="lab2_join.py", description="DDP on uneven inputs, with and without Join.")
+    parser.add_argument("--join", action="store_true", help="run the training loop inside Join([ddp_model])")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="per rank")
+    parser.add_argument("--lr", type=positive_float, default=0.05)
+    parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    parser.add_argument("--timeout-s", type=positive_float, default=10.0, help="how long a rank waits for a peer")
+    parser.add_argument("--json", help="rank 0 writes the steps per rank, the weight check and the accuracy here")
+    return parser.parse_args(argv)
+
+
+def uneven_slice(n: int, rank: int, world_size: int) -> range:
+    """Rank r's contiguous slice of n samples, sized in proportion to r + 1 (deliberately uneven)."""
+    total_weight = world_size * (world_size + 1) // 2
+    start = n * (rank * (rank + 1) // 2) // total_weight
+    end = n * ((rank + 1) * (rank + 2) // 2) // total_weight
+    return range(start, end)
+
+
+def first_line(error: Exception) -> str:
+    """The first line of a torch.distributed error, without gloo's "[path/to/file.cc:123] " prefix."""
+    return re.sub(r"^\[[^\]]*\]\s*", "", str(error).splitlines()[0])
+
+
+def same_weights_everywhere(model, ctx) -> bool:
+    """True when every rank holds exactly rank 0's parameters."""
+    mine = torch.cat([p.detach().flatten() for p in model.parameters()])
+    everyone = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(everyone, mine)
+    return all(torch.equal(theirs, everyone[0]) for theirs in everyone)
+
+
+def train(ctx, args) -> dict | None:
+    digits = load_digits()
+    shard = uneven_slice(len(digits.train), ctx.rank, ctx.world_size)
+    generator = torch.Generator().manual_seed(ctx.rank)  # each rank shuffles its own slice
+    loader = DataLoader(Subset(digits.train, shard), batch_size=args.batch_size, shuffle=True, generator=generator)
+    seed_everything(0)  # identical initial weights on every rank
+    model = DigitsCNN().to(ctx.device)
+    ddp_model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=args.lr, momentum=0.9)
+    log(f"{len(shard)} samples, {len(loader)} batches of up to {args.batch_size}", every_rank=True)
+
+    steps = 0
+    try:
+        # enable=False makes Join a no-op: the same loop, with and without the fix.
+        with Join([ddp_model], enable=args.join):
+            for images, labels in loader:
+                loss = F.cross_entropy(ddp_model(images.to(ctx.device)), labels.to(ctx.device))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()  # all-reduces the gradients: every rank must take part
+                optimizer.step()
+                steps += 1
+        dist.barrier()  # the end of the epoch, where a rank that ran out of batches waits
+    except RuntimeError as error:  # a collective timed out, or a peer that gave up closed its connection
+        where = "at the end-of-epoch barrier" if steps == len(loader) else f"in the gradient all-reduce of step {steps + 1}"
+        log(f"stopped {where} (of {len(loader)} batches): {first_line(error)}", every_rank=True)
+        return None
+    steps_per_rank = torch.zeros(ctx.world_size, dtype=torch.long, device=ctx.device)
+    steps_per_rank[ctx.rank] = steps
+    dist.all_reduce(steps_per_rank)  # each rank fills its own slot: the sum gathers them
+    return {
+        "world_size": ctx.world_size, "join": args.join, "steps_per_rank": steps_per_rank.tolist(),
+        "same_weights_on_every_rank": same_weights_everywhere(model, ctx),
+        "eval_accuracy": held_out_accuracy(model, digits.test, ctx.device),
+    }  # fmt: skip
+
+
+@torch.no_grad()
+def held_out_accuracy(model, test_set, device) -> float:
+    """Accuracy on all 359 held-out digits (every rank holds the same weights and gets the same answer)."""
+    images, labels = test_set.tensors
+    return float((model.eval()(images.to(device)).argmax(dim=1) == labels.to(device)).float().mean())
+
+
+def main(args) -> int:
+    try:
+        ctx = setup_distributed(args.backend, timeout_s=args.timeout_s)
+        result = train(ctx, args)  # plain numbers or None: the DDP model is out of reach now
+        if result is None:
+            return 1
+        log(f"steps per rank: {result['steps_per_rank']}; identical weights on every rank: "
+            f"{result['same_weights_on_every_rank']}; held-out accuracy {result['eval_accuracy']:.2%}")
+        if args.json and ctx.is_main:
+            atomic_write_json(result, args.json)
+        return 0
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))

@@ -1,0 +1,52 @@
+"""labs/lab2_join.py: DDP on uneven inputs hangs until the timeout without Join, and finishes with it."""
+
+import importlib.util
+import re
+
+import pytest
+
+from ddp_course.launch import REPO_ROOT, run_torchrun
+
+LAB2_JOIN = REPO_ROOT / "labs" / "lab2_join.py"
+TRAIN_DIGITS = 1438
+
+
+def load_module():
+    spec = importlib.util.spec_from_file_location("lab2_join", LAB2_JOIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_uneven_slices_cover_the_data_once_and_grow_with_the_rank(world_size):
+    slices = [load_module().uneven_slice(TRAIN_DIGITS, rank, world_size) for rank in range(world_size)]
+    assert [i for part in slices for i in part] == list(range(TRAIN_DIGITS))
+    assert all(len(a) < len(b) for a, b in zip(slices, slices[1:]))
+
+
+@pytest.mark.timeout(120)
+def test_without_join_every_rank_says_where_it_stopped(tmp_path):
+    result = run_torchrun(LAB2_JOIN, ["--timeout-s", "3", "--json", tmp_path / "r.json"], nproc=2)
+    assert not result.timed_out and result.returncode != 0, result.describe()
+    assert result.wall_s < 60, result.describe()
+    stopped = dict(re.findall(r"^\[rank (\d)\] stopped (.*)$", result.stdout, flags=re.MULTILINE))
+    assert stopped.keys() == {"0", "1"}, result.describe()
+    # Rank 0 has 15 batches and waits at the barrier; rank 1 waits in the all-reduce of its step 16.
+    assert stopped["0"].startswith("at the end-of-epoch barrier (of 15 batches)"), result.describe()
+    assert stopped["1"].startswith("in the gradient all-reduce of step 16 (of 30 batches)"), result.describe()
+    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr, result.describe()
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("nproc", "expected_steps"), [(2, [15, 30]), (3, [8, 15, 23])])
+def test_join_lets_uneven_ranks_finish_with_identical_weights(tmp_path, read_json, nproc, expected_steps):
+    result = run_torchrun(LAB2_JOIN, ["--join", "--timeout-s", "30", "--json", tmp_path / "r.json"], nproc=nproc)
+    assert result.ok, result.describe()
+    report = read_json(tmp_path / "r.json")
+    assert report["join"] is True and report["world_size"] == nproc
+    assert report["steps_per_rank"] == expected_steps
+    assert report["same_weights_on_every_rank"] is True
+    assert report["eval_accuracy"] > 0.6  # it trained: a fresh DigitsCNN scores about 10%
