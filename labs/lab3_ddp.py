@@ -9,6 +9,7 @@ Launch from the repository root:
                                           --rdzv-endpoint=NODE0_HOST:29400 --rdzv-id=lab3 \
                                           labs/lab3_ddp.py --dataset cifar10 --data-dir data
     resume after a crash:             add --checkpoint-dir ckpt (and --resume on the restart)
+    a 4x bigger global batch:         add --accumulation-steps 4 (4 micro-batches per optimizer step)
 
 What you should see with the defaults: rank 0 prints the configuration (global batch 64 = 32 per
 rank x 2 ranks) and one line per epoch; the job-wide train loss falls from about 1.9 after the
@@ -18,6 +19,7 @@ ranks), not for rank 0 alone. --metrics-json also records this per-epoch history
 """
 
 import argparse
+import contextlib
 import itertools
 import math
 import sys
@@ -47,7 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--data-dir", default="data", help="where CIFAR-10 is, or is downloaded to")
     parser.add_argument("--epochs", type=positive_int, default=10)
     parser.add_argument("--max-steps", type=positive_int, help="stop after this many optimizer steps in total")
-    parser.add_argument("--batch-size", type=positive_int, default=32, help="per rank; global = this x world size")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="per rank and micro-batch")
+    parser.add_argument("--accumulation-steps", type=positive_int, default=1,
+                        help="micro-batches per optimizer step; global batch = batch x this x world size")
     parser.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (momentum 0.9)")
     parser.add_argument("--seed", type=int, default=0, help="model initialization and data order")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: nccl with a GPU per rank, else gloo")
@@ -123,12 +127,13 @@ def train(ctx, args) -> dict:
     # bf16 keeps fp32's exponent range, so it needs no loss scaling; GPUs without bf16 get fp16 + scaler.
     amp_dtype = torch.bfloat16 if not args.amp or torch.cuda.is_bf16_supported() else torch.float16
     scaler = torch.amp.GradScaler("cuda", enabled=args.amp and amp_dtype == torch.float16)
-    global_batch = args.batch_size * ctx.world_size
+    accumulation = args.accumulation_steps
+    global_batch = args.batch_size * accumulation * ctx.world_size
     log(
         f"config: dataset={args.dataset} ({len(splits.train)} train / {len(splits.test)} held-out) "
         f"model={model_name} world_size={ctx.world_size} backend={ctx.backend} device={ctx.device.type} "
-        f"batch={args.batch_size}/rank global_batch={global_batch} lr={args.lr} epochs={args.epochs} "
-        f"max_steps={args.max_steps} amp={args.amp} seed={args.seed}"
+        f"batch={args.batch_size}/rank accumulation={accumulation} global_batch={global_batch} lr={args.lr} "
+        f"epochs={args.epochs} max_steps={args.max_steps} amp={args.amp} seed={args.seed}"
     )
     log(f"local_rank {ctx.local_rank} trains on {ctx.device}", every_rank=True)
     start = restore(args, model_name, model, optimizer, scaler, ctx)
@@ -155,21 +160,31 @@ def train(ctx, args) -> dict:
         sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
         skip = start["step_in_epoch"] if epoch == start["epoch"] else 0  # batches done before a resume
         loss_sum = torch.zeros(2, device=ctx.device)  # [sum of per-sample losses, samples] on this rank
-        steps_this_epoch, epoch_start = skip, time.perf_counter()
+        batches_done, epoch_start = skip, time.perf_counter()
         for images, labels in itertools.islice(loader, skip, None):
             images = images.to(ctx.device, non_blocking=True)
             labels = labels.to(ctx.device, non_blocking=True)
-            with torch.autocast(ctx.device.type, dtype=amp_dtype, enabled=args.amp):
-                loss = F.cross_entropy(ddp_model(images), labels)  # mean over this rank's batch
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()  # gradients arrive averaged over all ranks
-            scaler.step(optimizer)
-            scaler.update()
-            global_step, steps_this_epoch = global_step + 1, steps_this_epoch + 1
+            # One optimizer step per `accumulation` micro-batches (the epoch's last group may be shorter).
+            group_start = batches_done - batches_done % accumulation
+            group_size = min(accumulation, len(loader) - group_start)
+            last_of_group = batches_done + 1 == group_start + group_size
+            # no_sync(): this micro-batch's gradient stays local and adds up in .grad; the backward of
+            # the group's last micro-batch all-reduces the sum, once per optimizer step.
+            with contextlib.nullcontext() if last_of_group else ddp_model.no_sync():
+                with torch.autocast(ctx.device.type, dtype=amp_dtype, enabled=args.amp):
+                    loss = F.cross_entropy(ddp_model(images), labels)  # mean over this rank's micro-batch
+                scaler.scale(loss / group_size).backward()  # the group's mean, averaged over all ranks
+            batches_done += 1
             loss_sum[0] += loss.detach().float() * labels.numel()
             loss_sum[1] += labels.numel()
+            if not last_of_group:
+                continue
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            global_step += 1
             if args.checkpoint_every and global_step % args.checkpoint_every == 0:
-                position = resume_position(epoch, steps_this_epoch, len(loader))
+                position = resume_position(epoch, batches_done, len(loader))
                 save(args, model_name, model, optimizer, scaler, *position, global_step, ctx)
                 last_saved_step = global_step
             if global_step >= max_steps:
@@ -190,7 +205,7 @@ def train(ctx, args) -> dict:
             f"{samples_trained / max(train_seconds, 1e-9):.0f} samples/s"
         )
         if args.checkpoint_dir and last_saved_step != global_step:
-            position = resume_position(epoch, steps_this_epoch, len(loader))
+            position = resume_position(epoch, batches_done, len(loader))
             save(args, model_name, model, optimizer, scaler, *position, global_step, ctx)
             last_saved_step = global_step
 
@@ -199,15 +214,16 @@ def train(ctx, args) -> dict:
     return {
         "world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
         "dataset": args.dataset, "model": model_name, "per_rank_batch_size": args.batch_size,
+        "accumulation_steps": accumulation,
         "global_batch_size": global_batch, "lr": args.lr, "amp": args.amp, "steps": global_step,
         "samples_per_s": samples_trained / train_seconds if train_seconds else None,
         "train_loss": train_loss, "eval_accuracy": accuracy, "history": history,
     }  # fmt: skip
 
 
-def resume_position(epoch: int, steps_done: int, steps_per_epoch: int) -> tuple[int, int]:
-    """(epoch, batches to skip) at which a restart continues after steps_done batches of epoch."""
-    return (epoch + 1, 0) if steps_done >= steps_per_epoch else (epoch, steps_done)
+def resume_position(epoch: int, batches_done: int, batches_per_epoch: int) -> tuple[int, int]:
+    """(epoch, batches to skip) at which a restart continues after batches_done batches of epoch."""
+    return (epoch + 1, 0) if batches_done >= batches_per_epoch else (epoch, batches_done)
 
 
 def save(args, model_name, model, optimizer, scaler, epoch, step_in_epoch, global_step, ctx) -> None:

@@ -1,5 +1,6 @@
 """labs/lab3_ddp.py launched as a learner launches it: torchrun, 2 gloo ranks on the CPU."""
 
+import json
 import re
 
 import pytest
@@ -64,6 +65,45 @@ def test_two_ranks_equal_one_process_on_the_global_batch(run_lab3, tmp_path):
 
 
 @pytest.mark.timeout(240)
+def test_accumulation_equals_one_process_on_the_global_batch(run_lab3, tmp_path):
+    """2 ranks x 2 micro-batches of 8 (no_sync on the first) == 1 process x 32, and != 2 ranks x 8."""
+    steps = "10"  # inside epoch 0 (44 full global batches of 32)
+    accumulated = run_lab3("--batch-size", "8", "--accumulation-steps", "2", "--max-steps", steps,
+                           "--save", tmp_path / "accumulated.pt", "--metrics-json", tmp_path / "metrics.json")
+    single = run_lab3("--batch-size", "32", "--max-steps", steps, "--save", tmp_path / "single.pt", nproc=1)
+    no_accumulation = run_lab3("--batch-size", "8", "--max-steps", steps, "--save", tmp_path / "small.pt")
+    for result in (accumulated, single, no_accumulation):
+        assert result.ok, result.describe()
+    assert "accumulation=2 global_batch=32" in accumulated.stdout
+
+    accumulated_weights, single_weights = load_weights(tmp_path / "accumulated.pt"), load_weights(tmp_path / "single.pt")
+    assert max_relative_difference(accumulated_weights, single_weights) < 1e-5
+    assert max_relative_difference(load_weights(tmp_path / "small.pt"), single_weights) > 1e-3
+    with open(tmp_path / "metrics.json") as file:
+        metrics = json.load(file)
+    assert (metrics["steps"], metrics["global_batch_size"], metrics["accumulation_steps"]) == (10, 32, 2)
+
+
+@pytest.mark.timeout(240)
+def test_resume_with_accumulation_continues_exactly(run_lab3, tmp_path):
+    """Checkpoints fall on optimizer steps, so resuming never splits a group of micro-batches.
+
+    719 samples per rank in batches of 16 are 45 micro-batches: 11 groups of 4 and a last group of 1,
+    so 12 steps per epoch, and 20 steps cross an epoch end and a short group.
+    """
+    checkpoints, accumulate = tmp_path / "checkpoints", ["--accumulation-steps", "4", "--batch-size", "16"]
+    first = run_lab3(*accumulate, "--max-steps", "7", "--checkpoint-dir", checkpoints, "--checkpoint-every", "7")
+    assert first.ok, first.describe()
+    resumed = run_lab3(*accumulate, "--max-steps", "20", "--checkpoint-dir", checkpoints, "--resume", "--save", tmp_path / "resumed.pt")
+    straight = run_lab3(*accumulate, "--max-steps", "20", "--save", tmp_path / "straight.pt")
+    assert resumed.ok and straight.ok, resumed.describe() + straight.describe()
+    state = torch.load(checkpoints / "checkpoint_step00000007.pt", weights_only=True)
+    assert (state["epoch"], state["step_in_epoch"]) == (0, 28)  # 7 steps x 4 micro-batches
+    resumed_weights, straight_weights = load_weights(tmp_path / "resumed.pt"), load_weights(tmp_path / "straight.pt")
+    assert all(torch.equal(resumed_weights[name], straight_weights[name]) for name in straight_weights)
+
+
+@pytest.mark.timeout(240)
 def test_resume_continues_exactly(run_lab3, tmp_path):
     """k steps, stop, resume for k more == 2k steps in one go, bit for bit (k=30 crosses an epoch end)."""
     checkpoints = tmp_path / "checkpoints"
@@ -123,6 +163,7 @@ def assert_one_clear_error(result, expected):
         (["--dataset", "imagenet"], r"invalid choice: 'imagenet'"),
         (["--resume"], r"need --checkpoint-dir"),
         (["--amp"], r"--amp needs a CUDA GPU"),
+        (["--accumulation-steps", "0"], r"--accumulation-steps: must be a positive integer"),
     ],
 )
 def test_bad_flags_fail_with_one_line(run_lab3, args, expected):
