@@ -79,13 +79,3 @@ def test_check_cells_are_identical_and_stored_results_are_honest():
         assert source(cell) == source(lecture_checks[title]), title
         assert f"exercise {number}: correct" in stored_stdout(cell), title
         assert f"exercise {number}: not solved yet" in stored_stdout(lecture_checks[title]), title
-
-
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("path", [LECTURE, SOLUTIONS], ids=["lecture", "solutions"])
-def test_notebook_is_stored_executed_with_most_cells_compared(path):
-    cells = code_cells(path)
-    assert all(cell["execution_count"] is not None for cell in cells), "store the notebook executed"
-    ignored = [cell for cell in cells if "NBVAL_IGNORE_OUTPUT" in source(cell) or "NBVAL_SKIP" in source(cell)]
-    assert len(ignored) <= 0.2 * len(cells)
-    assert not any(output["output_type"] == "error" for cell in cells for output in cell["outputs"])
