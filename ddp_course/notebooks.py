@@ -27,11 +27,14 @@ def execute_in_place(path: str | Path, timeout_s: int = 600) -> float:
         timeout=timeout_s,
         kernel_name="python3",
         resources={"metadata": {"path": str(path.parent.resolve())}},  # cells run in the notebook's folder
+        record_timing=False,  # per-cell timestamps would change every cell's metadata on every run
     )
     started = time.perf_counter()
     client.execute()
     elapsed = time.perf_counter() - started
     notebook.metadata.pop("widgets", None)  # saved widget state is noise: nbval never compares it
+    for cell in notebook.cells:
+        cell.metadata.pop("execution", None)  # timestamps stored by earlier runs
     nbformat.write(notebook, path)
     return elapsed
 

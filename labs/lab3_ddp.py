@@ -173,7 +173,7 @@ def train(ctx, args) -> dict:
             with contextlib.nullcontext() if last_of_group else ddp_model.no_sync():
                 with torch.autocast(ctx.device.type, dtype=amp_dtype, enabled=args.amp):
                     loss = F.cross_entropy(ddp_model(images), labels)  # mean over this rank's micro-batch
-                scaler.scale(loss / group_size).backward()  # the group's mean, averaged over all ranks
+                scaler.scale(loss / group_size).backward()  # mean over the group's micro-batches; DDP averages ranks
             batches_done += 1
             loss_sum[0] += loss.detach().float() * labels.numel()
             loss_sum[1] += labels.numel()
