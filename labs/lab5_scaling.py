@@ -166,9 +166,9 @@ def run_sweep(args) -> int:
     A shared machine (a laptop with a browser open, a cloud VM with busy neighbours) slows some jobs
     down for seconds at a time, and a 1-rank job that ran in a slow moment against a 2-rank job that
     did not makes up an efficiency. So the sweep measures every point --rounds times, interleaved
-    (1, 2, 1, 2, ... ranks), and keeps each point's fastest round: noise only ever slows a job down,
-    so the fastest round is the closest to what the hardware can do. Every round's throughput is
-    kept in the record (samples_per_s_by_round), so the spread stays visible.
+    (1, 2, 1, 2, ... ranks), and keeps each point's fastest round: other programs slow a job down,
+    they do not speed it up, so the fastest round is the closest to what the hardware can do. Every
+    round's throughput is kept in the record (samples_per_s_by_round), so the spread stays visible.
     """
     points = [(config, bucket_cap, world_size)
               for config in args.configs for bucket_cap in args.bucket_caps for world_size in args.sweep]  # fmt: skip
