@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
+from ddp_course.amp import choose_amp
 from ddp_course.checkpoint import (
     atomic_save, atomic_write_json, gather_rng_states, latest_checkpoint, load_checkpoint, save_checkpoint,
 )  # fmt: skip
@@ -124,16 +125,16 @@ def train(ctx, args) -> dict:
     # the same crops and flips (CIFAR-10 augmentation) for their different images.
     seed_everything(args.seed + ctx.rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    # bf16 keeps fp32's exponent range, so it needs no loss scaling; GPUs without bf16 get fp16 + scaler.
-    amp_dtype = torch.bfloat16 if not args.amp or torch.cuda.is_bf16_supported() else torch.float16
-    scaler = torch.amp.GradScaler("cuda", enabled=args.amp and amp_dtype == torch.float16)
+    # bf16 where the GPU does it natively (no loss scaling needed); older GPUs get fp16 + GradScaler.
+    amp = choose_amp(ctx.device, args.amp)
+    scaler = torch.amp.GradScaler("cuda", enabled=amp.use_grad_scaler)
     accumulation = args.accumulation_steps
     global_batch = args.batch_size * accumulation * ctx.world_size
     log(
         f"config: dataset={args.dataset} ({len(splits.train)} train / {len(splits.test)} held-out) "
         f"model={model_name} world_size={ctx.world_size} backend={ctx.backend} device={ctx.device.type} "
         f"batch={args.batch_size}/rank accumulation={accumulation} global_batch={global_batch} lr={args.lr} "
-        f"epochs={args.epochs} max_steps={args.max_steps} amp={args.amp} seed={args.seed}"
+        f"epochs={args.epochs} max_steps={args.max_steps} amp={amp.dtype_name} seed={args.seed}"
     )
     log(f"local_rank {ctx.local_rank} trains on {ctx.device}", every_rank=True)
     start = restore(args, model_name, model, optimizer, scaler, ctx)
@@ -171,7 +172,7 @@ def train(ctx, args) -> dict:
             # no_sync(): this micro-batch's gradient stays local and adds up in .grad; the backward of
             # the group's last micro-batch all-reduces the sum, once per optimizer step.
             with contextlib.nullcontext() if last_of_group else ddp_model.no_sync():
-                with torch.autocast(ctx.device.type, dtype=amp_dtype, enabled=args.amp):
+                with torch.autocast(ctx.device.type, dtype=amp.dtype, enabled=amp.enabled):
                     loss = F.cross_entropy(ddp_model(images), labels)  # mean over this rank's micro-batch
                 scaler.scale(loss / group_size).backward()  # mean over the group's micro-batches; DDP averages ranks
             batches_done += 1
