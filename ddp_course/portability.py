@@ -1,0 +1,114 @@
+"""Re-run every notebook under nbval with other CPU numerics and report each cell whose output changed.
+
+    python -m ddp_course.portability                    # all notebooks, the default variant
+    python -m ddp_course.portability --variant avx2 lectures/01_data_parallelism.ipynb
+
+Why: nbval compares each cell's fresh output with the one stored on the machine that executed the
+notebook. Learners run other CPUs (Intel and AMD with AVX2 or AVX-512, Apple and other ARM chips),
+whose vectorised kernels and thread splits add floating-point numbers in other orders. A stored
+output that depends on that order - a rounding-noise digit, a threshold inside the rounding spread -
+passes here and fails there. Two switches reproduce other machines' rounding on this one:
+
+- ATEN_CPU_CAPABILITY=default: PyTorch's non-vectorised CPU kernels (=avx2 / =avx512 pick those).
+- OMP_NUM_THREADS=1: one thread per process, so reductions are not split across threads.
+
+A notebook that passes nbval under these as well as normally states facts, not this CPU's rounding.
+Exit status 0 when every variant passes, 1 when a cell's output changed, 2 on a bad argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+from ddp_course.launch import REPO_ROOT
+
+NOTEBOOK_FOLDERS = ("lectures", "labs", "solutions")
+
+# Each variant is a set of environment variables that changes the CPU's floating-point behaviour.
+VARIANTS = {
+    "default": {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"},  # scalar kernels, one thread
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2"},  # what most x86 laptops of the last decade run
+    "threads1": {"OMP_NUM_THREADS": "1"},
+}
+
+
+def all_notebooks() -> list[Path]:
+    return sorted(path for folder in NOTEBOOK_FOLDERS for path in (REPO_ROOT / folder).glob("*.ipynb"))
+
+
+def changed_cells(junit_xml: Path) -> list[str]:
+    """'notebook::Cell N: first line of the difference' for every failed or errored nbval item."""
+    changed = []
+    for case in ElementTree.parse(junit_xml).iter("testcase"):
+        for problem in [*case.iter("failure"), *case.iter("error")]:
+            message = (problem.get("message") or problem.text or "").strip().splitlines()
+            where = f"{case.get('classname', '')}::{case.get('name', '')}"
+            changed.append(f"{where}: {message[0] if message else 'failed'}")
+    return changed
+
+
+def run_variant(name: str, notebooks: list[Path], timeout_s: float) -> tuple[list[str], float, str]:
+    """Run nbval over notebooks with the variant's environment; return (changed cells, seconds, tail)."""
+    env = {**os.environ, **VARIANTS[name]}
+    with tempfile.TemporaryDirectory() as folder:
+        report = Path(folder) / "nbval.xml"
+        command = [
+            sys.executable, "-m", "pytest", "--nbval", "-q", "-p", "no:cacheprovider",
+            f"--junitxml={report}", *map(str, notebooks),
+        ]  # fmt: skip
+        started = time.perf_counter()
+        try:
+            finished = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return [f"(variant {name} did not finish within {timeout_s:.0f} s)"], time.perf_counter() - started, ""
+        seconds = time.perf_counter() - started
+        tail = "\n".join(finished.stdout.strip().splitlines()[-3:])
+        if not report.exists():  # pytest itself failed before running anything
+            return [f"(pytest exited {finished.returncode} without a report)"], seconds, finished.stdout + finished.stderr
+        changed = changed_cells(report)
+        if finished.returncode != 0 and not changed:
+            changed = [f"(pytest exited {finished.returncode}; see its output)"]
+        return changed, seconds, tail
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m ddp_course.portability", description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="*", help="notebooks to check (default: every notebook in the course)")
+    parser.add_argument(
+        "--variant", action="append", choices=VARIANTS,
+        help="numerics to try, repeatable (default: 'default' = ATEN_CPU_CAPABILITY=default and OMP_NUM_THREADS=1)",
+    )  # fmt: skip
+    parser.add_argument("--timeout-s", type=float, default=3600, help="limit for each variant's whole run")
+    args = parser.parse_args(argv)
+    missing = [path for path in args.notebooks if not Path(path).is_file()]
+    if missing:
+        parser.error(f"no such notebook: {', '.join(missing)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    notebooks = [Path(path).resolve() for path in args.notebooks] or all_notebooks()
+    any_changed = False
+    for name in args.variant or ["default"]:
+        settings = " ".join(f"{key}={value}" for key, value in VARIANTS[name].items())
+        print(f"variant {name} ({settings}): {len(notebooks)} notebook(s) under nbval ...", flush=True)
+        changed, seconds, tail = run_variant(name, notebooks, args.timeout_s)
+        for line in changed:
+            print(f"  CHANGED {line}")
+        print(f"  {tail.splitlines()[-1] if tail else ''} [{seconds:.0f} s]", flush=True)
+        any_changed |= bool(changed)
+    print("portable: every compared output is the same under these numerics" if not any_changed
+          else "NOT portable: the cells above print something that depends on the CPU's rounding")  # fmt: skip
+    return 1 if any_changed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
