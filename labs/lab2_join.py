@@ -10,6 +10,18 @@ for a peer that never comes.
     the hang (fails after --timeout-s):  torchrun --standalone --nproc_per_node=2 labs/lab2_join.py
     the fix:                             torchrun --standalone --nproc_per_node=2 labs/lab2_join.py --join
     3 ranks, 3 different lengths:        torchrun --standalone --nproc_per_node=3 labs/lab2_join.py --join
+    on GPUs with NCCL (see below):       torchrun --standalone --nproc_per_node=2 labs/lab2_join.py --backend nccl
+
+It runs on gloo (CPU processes) by default, also on a GPU machine, because the demo relies on
+gloo's synchronous errors: a gloo collective blocks the Python thread, so each rank stops at the
+line it waits in, and when --timeout-s expires the wait raises a RuntimeError that the script
+catches to say where. NCCL works differently (see the lab 2 sheet, section 7): its collectives are
+queued on the GPU and return at once, so the CPU runs ahead - rank 1 would likely run all of its
+steps and reach the barrier - and on NCCL a barrier is itself a one-element all-reduce, which can
+pair with the other rank's gradient all-reduce. A timeout is then found by ProcessGroupNCCL's
+watchdog thread, which tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING) instead of raising
+in Python, so the "stopped ..." lines are never printed. `--backend nccl` runs the demo on GPUs
+anyway and prints what to expect instead (not run by the course's tests: no GPU there).
 
 With --join the training loop runs inside `Join([ddp_model])`. A rank that runs out of batches
 joins early and, until every rank has joined, answers its peers' all-reduces with zero gradients;
@@ -44,7 +56,7 @@ def parse_args(argv=None):
     parser.add_argument("--join", action="store_true", help="run the training loop inside Join([ddp_model])")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="per rank")
     parser.add_argument("--lr", type=positive_float, default=0.05)
-    parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="gloo (see the docstring for nccl)")
     parser.add_argument("--timeout-s", type=positive_float, default=10.0, help="how long a rank waits for a peer")
     parser.add_argument("--json", help="rank 0 writes the steps per rank, the weight check and the accuracy here")
     return parser.parse_args(argv)
@@ -56,6 +68,16 @@ def uneven_slice(n: int, rank: int, world_size: int) -> range:
     start = n * (rank * (rank + 1) // 2) // total_weight
     end = n * ((rank + 1) * (rank + 2) // 2) // total_weight
     return range(start, end)
+
+
+NCCL_NOTE = (
+    "note: backend=nccl. This demo's 'stopped ...' lines rely on gloo's synchronous errors. On NCCL "
+    "collectives are queued on the GPU and the CPU runs ahead (rank 1 may reach the end-of-epoch barrier, "
+    "which NCCL runs as a one-element all-reduce that can pair with rank 0's gradient all-reduce); after "
+    "--timeout-s the NCCL watchdog aborts the processes (SIGABRT, TORCH_NCCL_ASYNC_ERROR_HANDLING) with no "
+    "Python error. TORCH_NCCL_BLOCKING_WAIT=1 makes the wait raise in Python instead; "
+    "TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 records which collective each rank was in."
+)
 
 
 def first_line(error: Exception) -> str:
@@ -117,6 +139,8 @@ def held_out_accuracy(model, test_set, device) -> float:
 def main(args) -> int:
     try:
         ctx = setup_distributed(args.backend, timeout_s=args.timeout_s)
+        if ctx.backend == "nccl" and not args.join:
+            log(NCCL_NOTE)
         result = train(ctx, args)  # plain numbers or None: the DDP model is out of reach now
         if result is None:
             return 1

@@ -26,6 +26,16 @@ def test_uneven_slices_cover_the_data_once_and_grow_with_the_rank(world_size):
     assert all(len(a) < len(b) for a, b in zip(slices, slices[1:]))
 
 
+@pytest.mark.timeout(30)
+def test_the_hang_demo_runs_on_gloo_unless_nccl_is_asked_for():
+    """The 'stopped ...' report needs gloo's synchronous errors, so gloo is the default (review finding 3)."""
+    lab2_join = load_module()
+    assert lab2_join.parse_args([]).backend == "gloo"
+    assert lab2_join.parse_args(["--backend", "nccl"]).backend == "nccl"  # still possible, with a note
+    for fact in ("CPU runs ahead", "watchdog", "TORCH_NCCL_BLOCKING_WAIT=1", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        assert fact in lab2_join.NCCL_NOTE
+
+
 @pytest.mark.timeout(120)
 def test_without_join_every_rank_says_where_it_stopped(tmp_path):
     result = run_torchrun(LAB2_JOIN, ["--timeout-s", "3", "--json", tmp_path / "r.json"], nproc=2)
@@ -38,6 +48,7 @@ def test_without_join_every_rank_says_where_it_stopped(tmp_path):
     assert stopped["1"].startswith("in the gradient all-reduce of step 16 (of 30 batches)"), result.describe()
     assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr, result.describe()
     assert not (tmp_path / "r.json").exists()
+    assert "backend=nccl" not in result.stdout  # the NCCL note is printed on NCCL only
 
 
 @pytest.mark.timeout(120)
