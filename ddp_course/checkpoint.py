@@ -2,6 +2,7 @@
 
 - Atomic: write a temporary file in the same directory, flush it to disk, then os.replace() it
   over the final name. A crash mid-write leaves the previous checkpoint untouched, never half a file.
+  The directory is flushed after the rename too, so the new name also survives a power loss.
 - Rank 0 writes, then every rank waits at a barrier, so no rank races ahead and reads a file that
   is not there yet.
 - Only tensors, numbers, strings, lists, tuples and dicts go in, so torch.load(weights_only=True)
@@ -53,8 +54,28 @@ def atomic_save(obj, path: str | Path) -> None:
             file.flush()
             os.fsync(file.fileno())  # on disk before the rename makes it visible
         os.replace(temporary, path)
+        fsync_directory(path.parent)  # the rename itself is a change to the directory
     finally:
         temporary.unlink(missing_ok=True)  # only left over when saving failed
+
+
+def fsync_directory(directory: str | Path) -> None:
+    """Flush a directory's entries to disk, so a rename in it survives a power loss (POSIX).
+
+    os.replace() is atomic for processes, but the new directory entry may still sit in the page
+    cache; a power cut then brings back the old name. Windows cannot open a directory for fsync,
+    and some filesystems refuse it: there we skip it (crash safety for processes is unchanged).
+    """
+    try:
+        descriptor = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:  # e.g. EINVAL on filesystems without directory fsync
+        pass
+    finally:
+        os.close(descriptor)
 
 
 def atomic_write_json(obj, path: str | Path) -> None:

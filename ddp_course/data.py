@@ -4,12 +4,13 @@
   optical recognition of handwritten digits, test part). No download, ever. A fixed split keeps
   20% of the images aside as the held-out set, the same for every run, seed and world size.
 - "cifar10": 50,000 + 10,000 32x32 colour images through torchvision. Needs --data-dir holding
-  the data, or a machine that can download it.
+  the data, or a machine that can download it (global rank 0 then downloads it once for the job).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from ddp_course.cli import CourseError
 DATASETS = ("digits", "cifar10")
 DIGITS_TEST_FRACTION = 0.2
 DIGITS_SPLIT_SEED = 0  # fixed: the held-out set must not change with --seed
+DOWNLOAD_TIMEOUT_S = 3600.0  # how long the other ranks wait for rank 0 to download CIFAR-10 (170 MB)
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)  # per-channel statistics of the CIFAR-10 training set
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
@@ -33,12 +35,19 @@ class DatasetSplits:
     num_classes: int
 
 
-def load_dataset(name: str, data_dir: str | Path = "data", local_rank: int = 0) -> DatasetSplits:
-    """The train and held-out splits of a dataset named in DATASETS."""
+def load_dataset(
+    name: str, data_dir: str | Path = "data", local_rank: int | None = None, download_timeout_s: float | None = None
+) -> DatasetSplits:
+    """The train and held-out splits of a dataset named in DATASETS.
+
+    Under torchrun every rank must call it (CIFAR-10's preparation is collective, see load_cifar10).
+    local_rank is no longer used: it is accepted so that the older call
+    load_dataset(name, data_dir, ctx.local_rank) keeps working.
+    """
     if name == "digits":
         return load_digits()
     if name == "cifar10":
-        return load_cifar10(Path(data_dir), local_rank)
+        return load_cifar10(Path(data_dir), download_timeout_s=download_timeout_s)
     raise CourseError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
 
 
@@ -65,26 +74,97 @@ def load_digits() -> DatasetSplits:
     )
 
 
-def load_cifar10(root: Path, local_rank: int = 0) -> DatasetSplits:
-    """CIFAR-10 from root; downloads it once per node when it is missing and the machine is online."""
+def load_cifar10(root: Path, local_rank: int | None = None, download_timeout_s: float | None = None) -> DatasetSplits:
+    """CIFAR-10 from root; when any rank lacks it, global rank 0 downloads it, once for the whole job.
+
+    Every rank runs the same collectives, whatever it finds on disk, so none is left waiting in a
+    collective that the others skipped:
+    1. every rank looks on disk, and all ranks share what they found: if every rank has the data,
+       all return it;
+    2. otherwise global rank 0 alone downloads (one download per job: several nodes downloading
+       into the same shared directory at once would race and can corrupt the files), and then
+       broadcasts how it went. That broadcast is the barrier every rank waits at, unconditionally;
+    3. every rank looks again and all share the verdict: all return the data, or all raise the same
+       CourseError.
+
+    --data-dir is expected on storage that every node sees (NFS, Lustre...). On node-local disks,
+    rank 0's download lands on node 0 only: the other nodes still miss the data at step 3, and every
+    rank fails with one line saying so (copy the data to every node first) - no hang.
+
+    The download may take minutes, longer than the process-group timeout (--timeout-s) that bounds
+    the training collectives, and on NCCL a collective that times out aborts the process instead of
+    raising. So these collectives run on a separate gloo group whose timeout, download_timeout_s
+    (DOWNLOAD_TIMEOUT_S by default), covers a download; gloo works on CPU tensors, so they stay on
+    the CPU whatever the job's backend. (Multi-node clusters where gloo picks the wrong network
+    interface need GLOO_SOCKET_IFNAME, as for any gloo job.) local_rank is accepted for older calls
+    and not used.
+    """
+    group = _preparation_group(DOWNLOAD_TIMEOUT_S if download_timeout_s is None else download_timeout_s)
+    splits = _cifar10_or_none(root)
+    if all(_gather_flags(splits is not None, group)):
+        return splits
+    download_error = _try_download_cifar10(root) if _global_rank() == 0 else None
+    download_error = _broadcast_from_rank_0(download_error, group)  # every rank waits here for rank 0
+    splits = _cifar10_or_none(root)
+    found = _gather_flags(splits is not None, group)
+    if all(found):
+        return splits
+    raise CourseError(_cifar10_missing_message(root, found, download_error))
+
+
+def _cifar10_missing_message(root: Path, found: list[bool], download_error: str | None) -> str:
+    """The one line every rank raises; built from facts every rank shares, so it is the same everywhere."""
+    advice = (
+        f"On a machine with internet run: python -c \"import torchvision; torchvision.datasets.CIFAR10('{root}', "
+        f"download=True)\", then copy {root}/cifar-10-batches-py into --data-dir on every node"
+    )
+    if any(found):
+        missing = [rank for rank, has_it in enumerate(found) if not has_it]
+        return (
+            f"CIFAR-10 was downloaded to {root} by rank 0, but ranks {missing} do not see it: --data-dir "
+            f"seems to be node-local. Put it on storage every node shares, or copy the data to every node. {advice}"
+        )
+    reason = f" ({download_error})" if download_error else ""
+    return f"CIFAR-10 is not in {root} and could not be downloaded{reason}. {advice}"
+
+
+def _preparation_group(timeout_s: float):
+    """A gloo group over all ranks with its own timeout, or None outside a process group.
+
+    It is left to teardown_distributed() (destroy_process_group destroys every group) rather than
+    destroyed here: a rank that destroyed it at once could close a connection a slower peer still reads.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _gather_flags(flag: bool, group) -> list[bool]:
+    """Every rank's flag, in rank order (a CPU tensor: the group is gloo)."""
+    if group is None:
+        return [flag]
+    flags = [torch.zeros(1, dtype=torch.uint8) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(flags, torch.tensor([int(flag)], dtype=torch.uint8), group=group)
+    return [bool(f.item()) for f in flags]
+
+
+def _broadcast_from_rank_0(value, group):
+    if group is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _cifar10_or_none(root: Path) -> DatasetSplits | None:
     try:
         return _cifar10_from_disk(root)
     except RuntimeError:  # torchvision: "Dataset not found or corrupted"
-        pass
-    download_error = None
-    if local_rank == 0:  # one download per node; the other local ranks wait at the barrier
-        download_error = _try_download_cifar10(root)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-    try:
-        return _cifar10_from_disk(root)
-    except RuntimeError:
-        reason = f" ({download_error})" if download_error else ""
-        raise CourseError(
-            f"CIFAR-10 is not in {root} and could not be downloaded{reason}. On a machine with "
-            f"internet run: python -c \"import torchvision; torchvision.datasets.CIFAR10('{root}', "
-            f"download=True)\", then copy {root}/cifar-10-batches-py into --data-dir here"
-        ) from None
+        return None
 
 
 def _cifar10_from_disk(root: Path) -> DatasetSplits:

@@ -4,6 +4,11 @@ A notebook kernel cannot host several ranks (functions defined in a cell cannot 
 spawned processes), and a test must never hang, so both launch the real script the way a learner
 does, `python -m torch.distributed.run --standalone --nproc_per_node=N script args...`, and read
 what it printed or wrote.
+
+CPU only unless asked: every launch hides the GPUs from the job (CUDA_VISIBLE_DEVICES="") so that
+tests and notebooks run gloo on the CPU, and print what their stored outputs say, on a machine with
+GPUs too. Pass use_gpus=True (benchmarks/gpu_smoke.py, lab 5's sweep driver) to let the job see the
+GPUs the caller sees.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Variables that describe a surrounding torchrun job; a nested launch must not inherit them.
 _JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+# An empty list of devices: CUDA then reports no GPU, so every lab's `--backend auto` picks gloo/CPU.
+HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 # What a gloo worker prints when it crashes during interpreter shutdown, after its work is done: a
@@ -68,26 +75,26 @@ def run_torchrun(
     env: dict | None = None,
     torchrun_args=(),
     cwd: str | Path | None = None,
+    use_gpus: bool = False,
 ) -> RunResult:
     """Launch script under torchrun with nproc ranks; kill the whole job if it runs past timeout_s.
 
     threads_per_rank fixes OMP_NUM_THREADS for every rank (torchrun would set 1 and print a warning
-    about it) so that timings with different numbers of ranks compare fairly.
+    about it) so that timings with different numbers of ranks compare fairly. The job sees no GPU
+    unless use_gpus=True (see the module docstring).
     """
     command = torchrun_command(script, args, nproc, torchrun_args)
-    return run_command(command, timeout_s=timeout_s, threads_per_rank=threads_per_rank, env=env, cwd=cwd)
+    return run_command(command, timeout_s=timeout_s, threads_per_rank=threads_per_rank, env=env, cwd=cwd, use_gpus=use_gpus)
 
 
-def run_command(command: list[str], timeout_s: float = 120, threads_per_rank: int | None = 1, env=None, cwd=None) -> RunResult:
+def run_command(
+    command: list[str], timeout_s: float = 120, threads_per_rank: int | None = 1, env=None, cwd=None, use_gpus: bool = False
+) -> RunResult:
     """Run a command in its own process group; on timeout kill the group (torchrun and its workers).
 
     threads_per_rank=None leaves OMP_NUM_THREADS as the caller's environment has it.
     """
-    full_env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}
-    full_env["PYTHONUNBUFFERED"] = "1"
-    if threads_per_rank is not None:
-        full_env["OMP_NUM_THREADS"] = str(threads_per_rank)
-    full_env.update(env or {})
+    full_env = child_environment(os.environ, threads_per_rank, env, use_gpus)
     start = time.perf_counter()
     process = subprocess.Popen(
         command,
@@ -113,6 +120,20 @@ def run_command(command: list[str], timeout_s: float = 120, threads_per_rank: in
         wall_s=time.perf_counter() - start,
         timed_out=timed_out,
     )
+
+
+def child_environment(parent: dict, threads_per_rank: int | None, env: dict | None, use_gpus: bool) -> dict:
+    """The environment a launched job gets: the parent's, minus any surrounding torchrun job's
+    variables, with unbuffered output, the thread count, no GPUs unless use_gpus, then env on top
+    (an explicit env entry, CUDA_VISIBLE_DEVICES included, wins)."""
+    full_env = {k: v for k, v in parent.items() if k not in _JOB_VARIABLES}
+    full_env["PYTHONUNBUFFERED"] = "1"  # ranks' lines arrive as they are printed, also on a timeout
+    if threads_per_rank is not None:
+        full_env["OMP_NUM_THREADS"] = str(threads_per_rank)
+    if not use_gpus:
+        full_env.update(HIDE_GPUS)
+    full_env.update(env or {})
+    return full_env
 
 
 def _kill_job(process: subprocess.Popen, grace_s: float = 5) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_course import checkpoint, cli, data, distributed, models, reporting, seeding
+from ddp_course import checkpoint, cli, data, distributed, launch, models, reporting, seeding
 from ddp_course.compare import max_relative_difference
 from ddp_course.launch import REPO_ROOT, RunResult, run_torchrun
 
@@ -250,6 +250,27 @@ def test_a_failed_save_leaves_the_previous_file_intact(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
 
 
+def test_atomic_save_flushes_the_file_then_renames_then_flushes_the_directory(tmp_path, monkeypatch):
+    """Review finding 29: without the directory fsync, a power loss can undo the rename."""
+    import stat
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def recording_fsync(descriptor):
+        events.append("fsync directory" if stat.S_ISDIR(os.fstat(descriptor).st_mode) else "fsync file")
+        real_fsync(descriptor)
+
+    def recording_replace(source, destination):
+        events.append("replace")
+        real_replace(source, destination)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", recording_fsync)
+    monkeypatch.setattr(checkpoint.os, "replace", recording_replace)
+    checkpoint.atomic_save({"weights": torch.ones(2)}, tmp_path / "model.pt")
+    assert events == ["fsync file", "replace", "fsync directory"]
+
+
 def test_save_checkpoint_keeps_the_newest_files(tmp_path, outside_torchrun):
     for step in range(1, 6):
         checkpoint.save_checkpoint({"global_step": step}, tmp_path, step, is_main=True, keep_last=2)
@@ -285,15 +306,29 @@ def test_atomic_write_json(tmp_path, read_json):
 
 
 @pytest.mark.timeout(90)
-def test_launcher_runs_every_rank_with_torchrun_environment():
+def test_launcher_runs_every_rank_with_torchrun_environment_and_no_gpu(monkeypatch):
+    """Review finding 2: with two GPUs visible to the caller, the launched job still sees none, so
+    `--backend auto` picks gloo (report_rank.py counts the GPUs in CUDA_VISIBLE_DEVICES, as CUDA does)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     result = run_torchrun(SCRIPTS / "report_rank.py", ["--tag", "x"], nproc=2, timeout_s=60)
     assert result.ok, result.describe()
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("[rank"))
     assert lines == [
-        "[rank 0] world_size 2 local_rank 0 sum 1 tag x threads 1",
-        "[rank 1] world_size 2 local_rank 1 sum 1 tag x threads 1",
+        "[rank 0] world_size 2 local_rank 0 sum 1 tag x threads 1 cuda_visible_devices '' auto_backend gloo",
+        "[rank 1] world_size 2 local_rank 1 sum 1 tag x threads 1 cuda_visible_devices '' auto_backend gloo",
     ]
     assert "--standalone" in result.command and "--nproc_per_node=2" in result.command
+
+
+def test_child_environment_hides_gpus_unless_asked():
+    parent = {"CUDA_VISIBLE_DEVICES": "0,1", "RANK": "3", "PATH": "/bin"}
+    hidden = launch.child_environment(parent, threads_per_rank=1, env=None, use_gpus=False)
+    assert hidden["CUDA_VISIBLE_DEVICES"] == "" and hidden["PATH"] == "/bin" and "RANK" not in hidden
+    assert hidden["OMP_NUM_THREADS"] == "1"
+    shown = launch.child_environment(parent, threads_per_rank=None, env=None, use_gpus=True)
+    assert shown["CUDA_VISIBLE_DEVICES"] == "0,1" and "OMP_NUM_THREADS" not in shown
+    explicit = launch.child_environment(parent, threads_per_rank=1, env={"CUDA_VISIBLE_DEVICES": "1"}, use_gpus=False)
+    assert explicit["CUDA_VISIBLE_DEVICES"] == "1"  # an explicit env entry wins
 
 
 @pytest.mark.timeout(90)
