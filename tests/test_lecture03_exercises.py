@@ -1,0 +1,164 @@
+"""Lecture 03's exercise checks accept the solutions and reject plausible wrong answers.
+
+The solutions notebook's code cells run once in one namespace (module fixture, a few seconds). Each
+test then swaps one function or class for a wrong answer a learner might write, runs the exercise's
+own check, and expects "not yet"; the lecture's stub must make the check say "not solved yet". So a
+check that cannot fail, or a solution that no longer passes, turns a test red.
+"""
+
+import contextlib
+import io
+import json
+import math
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler, Sampler
+
+from ddp_course.launch import REPO_ROOT
+
+LECTURE = REPO_ROOT / "lectures" / "03_samplers.ipynb"
+SOLUTIONS = REPO_ROOT / "solutions" / "03_samplers_solutions.ipynb"
+
+
+def code_cells(path):
+    cells = json.loads(path.read_text())["cells"]
+    return ["".join(cell["source"]) for cell in cells if cell["cell_type"] == "code"]
+
+
+def run(source, namespace):
+    """Execute source in namespace; return what it printed."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(source, "<notebook cell>", "exec"), namespace)
+    return printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def solved():
+    """The solutions notebook's namespace after running every cell, and each check's output."""
+    namespace = {"__name__": "solutions"}
+    outputs = {source.splitlines()[0]: run(source, namespace) for source in code_cells(SOLUTIONS)}
+    return namespace, outputs
+
+
+def check(namespace, number, **replacements):
+    """Run check_exercise_<number> with some names replaced; return its verdict line."""
+    saved = {name: namespace[name] for name in replacements}
+    namespace.update(replacements)
+    try:
+        return run(f"check_exercise_{number}()", namespace).strip().splitlines()[-1]
+    finally:
+        namespace.update(saved)
+
+
+@pytest.mark.timeout(120)
+def test_the_solutions_pass_their_checks(solved):
+    _, outputs = solved
+    for number in (1, 2, 3):
+        assert outputs[f"# Check exercise {number} (run after the cell above)"].strip().endswith(f"exercise {number}: correct")
+
+
+@pytest.mark.timeout(120)
+def test_the_lecture_stubs_fail_the_same_checks(solved):
+    namespace, _ = solved
+    stubs = {source.splitlines()[0]: source for source in code_cells(LECTURE) if source.startswith("# Exercise ")}
+    assert len(stubs) == 3
+    saved = {name: namespace[name] for name in ("rank_eval_sums", "resume_shard", "BlockDistributedSampler")}
+    try:
+        for title, stub in stubs.items():
+            number = int(title.split()[2].rstrip(":"))
+            run(stub, namespace)
+            assert check(namespace, number) == f"exercise {number}: not solved yet - " + {
+                1: "fill in rank_eval_sums above", 2: "fill in resume_shard above",
+                3: "fill in BlockDistributedSampler above"}[number]
+    finally:
+        namespace.update(saved)
+
+
+@pytest.mark.timeout(120)
+def test_exercise_1_rejects_padding_and_means_of_batch_means(solved):
+    namespace, _ = solved
+    torch_, F, solution = namespace["torch"], namespace["F"], namespace["rank_eval_sums"]
+
+    def counts_the_padding(model, loader, rank, world_size, n):
+        sums = torch_.zeros(3, dtype=torch_.float64)
+        with torch_.no_grad():
+            for images, labels in loader:
+                logits = model(images)
+                sums += torch_.tensor([float((logits.argmax(1) == labels).sum()), len(labels),
+                                       float(F.cross_entropy(logits, labels, reduction="sum"))], dtype=torch_.float64)
+        return sums
+
+    def averages_batch_means(model, loader, rank, world_size, n):
+        sums = solution(model, loader, rank, world_size, n)  # right counts ...
+        batch_means = []
+        seen = 0
+        with torch_.no_grad():
+            for images, labels in loader:
+                real = rank + world_size * torch_.arange(seen, seen + len(labels)) < n
+                seen += len(labels)
+                if real.any():
+                    batch_means.append(float(F.cross_entropy(model(images[real]), labels[real])))
+        sums[2] = sum(batch_means) / max(len(batch_means), 1) * sums[1]  # ... and the loss from batch means
+        return sums
+
+    assert check(namespace, 1, rank_eval_sums=counts_the_padding) == "exercise 1: not yet"
+    assert check(namespace, 1, rank_eval_sums=averages_batch_means) == "exercise 1: not yet"
+
+
+@pytest.mark.timeout(120)
+def test_exercise_2_rejects_the_same_world_size_answer_and_blocks(solved):
+    namespace, _ = solved
+    solution = namespace["resume_shard"]
+
+    def slice_a_new_sampler(n, seed, epoch, old_world_size, batch_size, steps_done, new_world_size, new_rank):
+        sampler = DistributedSampler(range(n), num_replicas=new_world_size, rank=new_rank, seed=seed)
+        sampler.set_epoch(epoch)  # right for the same world size, wrong for another
+        return list(sampler)[steps_done * batch_size:]
+
+    def contiguous_pieces(n, seed, epoch, old_world_size, batch_size, steps_done, new_world_size, new_rank):
+        rest = [i for rank in range(new_world_size)
+                for i in solution(n, seed, epoch, old_world_size, batch_size, steps_done, new_world_size, rank)]
+        rest.sort(key=lambda i: i)  # the right samples, in another order
+        size = math.ceil(len(rest) / new_world_size)
+        return rest[new_rank * size:(new_rank + 1) * size]
+
+    assert check(namespace, 2, resume_shard=slice_a_new_sampler) == "exercise 2: not yet"
+    assert check(namespace, 2, resume_shard=contiguous_pieces) == "exercise 2: not yet"
+
+
+@pytest.mark.timeout(120)
+def test_exercise_3_rejects_scattered_reads_uneven_shards_and_global_randomness(solved):
+    namespace, _ = solved
+
+    class Strided(DistributedSampler):  # torch's sampler: opens nearly every file
+        def __init__(self, n, block_size, num_replicas, rank, seed=0):
+            super().__init__(range(n), num_replicas=num_replicas, rank=rank, seed=seed)
+
+    class WholeFilesRoundRobin(Sampler):  # few files, but unequal counts per rank
+        def __init__(self, n, block_size, num_replicas, rank, seed=0):
+            self.n, self.block, self.replicas, self.rank, self.seed, self.epoch = n, block_size, num_replicas, rank, seed, 0
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+        def __iter__(self):
+            files = torch.randperm(math.ceil(self.n / self.block), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            mine = files.tolist()[self.rank::self.replicas]
+            return iter([i for f in mine for i in range(f * self.block, min((f + 1) * self.block, self.n))])
+
+        def __len__(self):
+            return len(list(iter(self)))
+
+    solution = namespace["BlockDistributedSampler"]
+
+    class GlobalRandomState(solution):  # shuffles with the global generator: ranks would disagree
+        def __iter__(self):
+            files = torch.randperm(math.ceil(self.n / self.block_size)).tolist()
+            order = [i for f in files for i in range(f * self.block_size, min((f + 1) * self.block_size, self.n))]
+            order += order[: len(self) * self.num_replicas - self.n]
+            return iter(order[self.rank * len(self):(self.rank + 1) * len(self)])
+
+    for wrong in (Strided, WholeFilesRoundRobin, GlobalRandomState):
+        assert check(namespace, 3, BlockDistributedSampler=wrong) == "exercise 3: not yet", wrong.__name__
