@@ -1,13 +1,21 @@
-"""Lecture 2's exercises and their solutions never drift apart.
+"""Lecture 2's exercises and their solutions never drift apart, and the checks can tell them apart.
 
 solutions/02_collectives_solutions.ipynb is run by `pytest --nbval` (its checks print "correct").
 This test proves that each exercise cell of the lecture is the solution cell with the block
 between "# BEGIN SOLUTION" and "# END SOLUTION" replaced by a placeholder, that the check cells
 are the same in both notebooks, and that the set-up cells the solutions copy are the lecture's.
+It also runs the cells in-process (no kernel, about a second): each solution passes its check, the
+unsolved exercise reports "not done yet", and each check rejects typical wrong answers - a check
+that cannot fail would prove nothing.
 """
+
+import contextlib
+import io
+import math
 
 import nbformat
 import pytest
+import torch
 
 from ddp_course.launch import REPO_ROOT
 
@@ -72,3 +80,72 @@ def test_stored_outputs_show_the_exercises_open_in_the_lecture_and_solved_in_the
     assert all(text.startswith("not done yet") for text in check_outputs(LECTURE))
     assert [text.split(":")[0] for text in check_outputs(SOLUTIONS)] == [f"exercise {n}" for n in EXERCISES]
     assert all(": correct" in text for text in check_outputs(SOLUTIONS))
+
+
+def run_cells(*sources) -> tuple[dict, str]:
+    """Execute cell sources in one fresh namespace, as a kernel would; return it and what they printed."""
+    namespace, printed = {}, io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        for source in sources:
+            exec(compile(source, "<notebook cell>", "exec"), namespace)
+    return namespace, printed.getvalue()
+
+
+def shared_and_check(number) -> tuple[list[str], str]:
+    solutions = cells_by_tag(SOLUTIONS)
+    [check] = solutions[f"check-{number}"]
+    return solutions["shared"], check
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("number", EXERCISES)
+def test_each_solution_passes_its_check_and_the_open_exercise_does_not(number):
+    shared, check = shared_and_check(number)
+    [solution] = cells_by_tag(SOLUTIONS)[f"solution-{number}"]
+    [exercise] = cells_by_tag(LECTURE)[f"exercise-{number}"]
+    assert f"exercise {number}: correct" in run_cells(*shared, solution, check)[1]
+    assert run_cells(*shared, exercise, check)[1].startswith("not done yet")
+
+
+def wrong_answers(namespace) -> dict[int, dict]:
+    """Plausible mistakes for each exercise, built from the notebook's own functions."""
+    ring_seconds = namespace["ring_seconds"]
+
+    def tree_with_ring_rounds(ranks):  # the right sums, but N-1 rounds each way
+        return [torch.stack(ranks).sum(dim=0) for _ in ranks], 2 * (len(ranks) - 1)
+
+    def tree_sharing_one_tensor(ranks):  # the right sums and rounds, but every rank holds the same tensor object
+        return [torch.stack(ranks).sum(dim=0)] * len(ranks), 2 * math.ceil(math.log2(len(ranks)))
+
+    def one_bucket(sizes, cap):  # ignores the cap
+        return [list(range(len(sizes)))] if sizes else []
+
+    def closes_early(sizes, cap):  # a new bucket for every tensor
+        return [[index] for index in range(len(sizes))]
+
+    def log_rounds_once(n_bytes, world_size, alpha, beta):  # forgets that the doubling mirrors the halving
+        return 0.0 if world_size == 1 else math.log2(world_size) * alpha + 2 * (world_size - 1) / world_size * n_bytes * beta
+
+    def whole_message_per_round(n_bytes, world_size, alpha, beta):  # the tree's bytes, not the halving's
+        return 0.0 if world_size == 1 else 2 * math.log2(world_size) * (alpha + n_bytes / 2 * beta)
+
+    return {
+        1: {"N-1 rounds": tree_with_ring_rounds, "shared tensor": tree_sharing_one_tensor},
+        2: {"one bucket": one_bucket, "one tensor per bucket": closes_early},
+        3: {"the ring's cost": ring_seconds, "log N latencies once": log_rounds_once,
+            "half the message every round": whole_message_per_round},
+    }
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("number", EXERCISES)
+def test_each_check_rejects_wrong_answers(number):
+    shared, check = shared_and_check(number)
+    [exercise] = cells_by_tag(LECTURE)[f"exercise-{number}"]
+    check_function = next(line.split("(")[0][4:] for line in check.splitlines() if line.startswith("def check_"))
+    do_not_run_yet = "def run_check(check, solution):\n    pass"  # define the check, run it below on each answer
+    namespace, _ = run_cells(*shared, do_not_run_yet, exercise, check)
+    for mistake, answer in wrong_answers(namespace)[number].items():
+        with pytest.raises(AssertionError), contextlib.redirect_stdout(io.StringIO()):
+            namespace[check_function](answer)
+        print(f"exercise {number}: the check rejects '{mistake}'")
