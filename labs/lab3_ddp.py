@@ -15,7 +15,12 @@ What you should see with the defaults: rank 0 prints the configuration (global b
 rank x 2 ranks) and one line per epoch; the job-wide train loss falls from about 1.9 after the
 first epoch to about 0.001, and the held-out accuracy passes 97% by epoch 3 and ends near 99%,
 in about 10 s on a 2-core CPU. Every number printed is for the whole job (all-reduced over
-ranks), not for rank 0 alone. --metrics-json also records this per-epoch history.
+ranks), not for rank 0 alone; samples/s is this epoch's, data loading included. --metrics-json also
+records this per-epoch history.
+
+Where it has run: the course's tests run every CPU path here (gloo, 1 and 2 processes). The GPU
+path (NCCL, --amp) is written to the same rules (device from LOCAL_RANK, collectives on the rank's
+GPU) but has not been run yet: treat your first GPU run as its test.
 """
 
 import argparse
@@ -56,7 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (momentum 0.9)")
     parser.add_argument("--seed", type=int, default=0, help="model initialization and data order")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: nccl with a GPU per rank, else gloo")
-    parser.add_argument("--amp", action="store_true", help="bf16 autocast on CUDA (refused on the CPU)")
+    parser.add_argument("--amp", action="store_true",
+                        help="mixed precision on CUDA: bf16 autocast on GPUs with native bf16 (compute capability 8.0+), "
+                             "else fp16 autocast with a GradScaler (refused on the CPU)")
     parser.add_argument("--workers", type=non_negative_int, help="DataLoader workers per rank (default: auto)")
     parser.add_argument("--checkpoint-dir", help="save a checkpoint here every epoch")
     parser.add_argument("--checkpoint-every", type=positive_int, help="also save every N optimizer steps")
@@ -101,6 +108,20 @@ def restore(args, model_name, model, optimizer, scaler, ctx) -> dict:
 
 
 @torch.no_grad()
+def copy_rank0_buffers(model) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running mean and variance) before evaluating.
+
+    DDP does not average buffers: it copies rank 0's to every rank at the start of each training
+    forward, then every rank updates its running statistics with its own micro-batch. So after the
+    last step the ranks hold slightly different statistics, and a job-wide accuracy would mix
+    several models. With rank 0's everywhere it is the accuracy of the model that --save and the
+    checkpoints keep. The digits CNN has no buffers (a no-op there); resnet18 has BatchNorm layers.
+    """
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)  # in place; buffers live on ctx.device, as NCCL requires
+
+
+@torch.no_grad()
 def evaluate(model, loader, ctx) -> tuple[int, int]:
     """(correct, total) over the WHOLE held-out set: each rank scores a disjoint slice, then we sum."""
     model.eval()
@@ -116,7 +137,7 @@ def evaluate(model, loader, ctx) -> tuple[int, int]:
 
 def train(ctx, args) -> dict:
     if args.amp and ctx.device.type != "cuda":
-        raise CourseError("--amp needs a CUDA GPU (bf16 autocast); on the CPU run without --amp")
+        raise CourseError("--amp needs a CUDA GPU (bf16 or fp16 autocast); on the CPU run without --amp")
     splits = load_dataset(args.dataset, args.data_dir, ctx.local_rank)
     model_name = MODEL_FOR_DATASET[args.dataset]
     seed_everything(args.seed)  # same seed on every rank: identical initial weights
@@ -152,7 +173,8 @@ def train(ctx, args) -> dict:
     eval_slice = Subset(splits.test, range(ctx.rank, len(splits.test), ctx.world_size))
     eval_loader = DataLoader(eval_slice, batch_size=256, num_workers=min(workers, 2))
 
-    global_step, train_seconds, samples_trained = start["global_step"], 0.0, 0
+    samples_per_rank = len(sampler)  # the same on every rank: DistributedSampler pads the last shard
+    global_step = start["global_step"]
     train_loss, accuracy, last_saved_step, history = None, None, None, []
     max_steps = args.max_steps or math.inf
     for epoch in range(start["epoch"], args.epochs):
@@ -160,7 +182,7 @@ def train(ctx, args) -> dict:
             break
         sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
         skip = start["step_in_epoch"] if epoch == start["epoch"] else 0  # batches done before a resume
-        loss_sum = torch.zeros(2, device=ctx.device)  # [sum of per-sample losses, samples] on this rank
+        epoch_loss = torch.zeros(2, device=ctx.device)  # [sum of per-sample losses, samples] on this rank
         batches_done, epoch_start = skip, time.perf_counter()
         for images, labels in itertools.islice(loader, skip, None):
             images = images.to(ctx.device, non_blocking=True)
@@ -169,15 +191,20 @@ def train(ctx, args) -> dict:
             group_start = batches_done - batches_done % accumulation
             group_size = min(accumulation, len(loader) - group_start)
             last_of_group = batches_done + 1 == group_start + group_size
+            group_samples = samples_in_group(group_start, group_size, args.batch_size, samples_per_rank)
             # no_sync(): this micro-batch's gradient stays local and adds up in .grad; the backward of
             # the group's last micro-batch all-reduces the sum, once per optimizer step.
             with contextlib.nullcontext() if last_of_group else ddp_model.no_sync():
                 with torch.autocast(ctx.device.type, dtype=amp.dtype, enabled=amp.enabled):
-                    loss = F.cross_entropy(ddp_model(images), labels)  # mean over this rank's micro-batch
-                scaler.scale(loss / group_size).backward()  # mean over the group's micro-batches; DDP averages ranks
+                    loss_sum = F.cross_entropy(ddp_model(images), labels, reduction="sum")
+                # Sum over the micro-batch / samples in the whole group: every sample weighs the same,
+                # also in a short last micro-batch (a mean per micro-batch / K would overweight it).
+                # .grad ends as the per-sample mean over the group; DDP's average over ranks, which
+                # all hold group_samples samples, makes it the mean over the global batch.
+                scaler.scale(loss_sum / group_samples).backward()
             batches_done += 1
-            loss_sum[0] += loss.detach().float() * labels.numel()
-            loss_sum[1] += labels.numel()
+            epoch_loss[0] += loss_sum.detach().float()
+            epoch_loss[1] += labels.numel()
             if not last_of_group:
                 continue
             scaler.step(optimizer)
@@ -191,19 +218,24 @@ def train(ctx, args) -> dict:
             if global_step >= max_steps:
                 break
 
-        dist.all_reduce(loss_sum)  # the job's loss, not rank 0's: sum over ranks, then divide
-        train_loss = float(loss_sum[0] / loss_sum[1])  # float() waits for the GPU, so the clock is fair
-        train_seconds += time.perf_counter() - epoch_start
-        samples_trained += int(loss_sum[1])
+        dist.all_reduce(epoch_loss)  # the job's loss, not rank 0's: sum over ranks, then divide
+        train_loss = float(epoch_loss[0] / epoch_loss[1])  # float() waits for the GPU, so the clock is fair
+        # This epoch's throughput, not a running average: the job's samples over the seconds of this
+        # epoch's loop, DataLoader waits included (so it measures the input pipeline too).
+        epoch_seconds = time.perf_counter() - epoch_start
+        samples_per_s = int(epoch_loss[1]) / max(epoch_seconds, 1e-9)
         if not math.isfinite(train_loss):
             raise CourseError(f"the train loss became {train_loss} in epoch {epoch}: lower --lr (now {args.lr})")
+        copy_rank0_buffers(model)
         correct, total = evaluate(model, eval_loader, ctx)
         accuracy = correct / total
-        history.append({"epoch": epoch + 1, "step": global_step, "train_loss": train_loss, "eval_accuracy": accuracy})
+        history.append({
+            "epoch": epoch + 1, "step": global_step, "train_loss": train_loss, "eval_accuracy": accuracy,
+            "samples": int(epoch_loss[1]), "train_seconds": epoch_seconds, "samples_per_s": samples_per_s,
+        })  # fmt: skip
         log(
             f"epoch {epoch + 1}/{args.epochs} step {global_step} | train loss {train_loss:.4f} | "
-            f"held-out accuracy {accuracy:.2%} ({correct}/{total}) | "
-            f"{samples_trained / max(train_seconds, 1e-9):.0f} samples/s"
+            f"held-out accuracy {accuracy:.2%} ({correct}/{total}) | {samples_per_s:.0f} samples/s"
         )
         if args.checkpoint_dir and last_saved_step != global_step:
             position = resume_position(epoch, batches_done, len(loader))
@@ -211,15 +243,33 @@ def train(ctx, args) -> dict:
             last_saved_step = global_step
 
     if args.save and ctx.is_main:
-        atomic_save(model.state_dict(), args.save)  # the bare model: keys without "module."
+        atomic_save(cpu_state_dict(model), args.save)
     return {
         "world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
         "dataset": args.dataset, "model": model_name, "per_rank_batch_size": args.batch_size,
         "accumulation_steps": accumulation,
-        "global_batch_size": global_batch, "lr": args.lr, "amp": args.amp, "steps": global_step,
-        "samples_per_s": samples_trained / train_seconds if train_seconds else None,
+        "global_batch_size": global_batch, "lr": args.lr, "amp": amp.dtype_name, "steps": global_step,
+        "samples_per_s_after_first_epoch": throughput_after_first_epoch(history),
         "train_loss": train_loss, "eval_accuracy": accuracy, "history": history,
     }  # fmt: skip
+
+
+def cpu_state_dict(model) -> dict:
+    """The bare model's weights (keys without "module.") on the CPU: the file loads on any machine."""
+    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
+
+
+def throughput_after_first_epoch(history: list[dict]) -> float | None:
+    """samples/s over this run's epochs after its first, which pays start-up costs (None: one epoch only)."""
+    later = history[1:]
+    seconds = sum(entry["train_seconds"] for entry in later)
+    return sum(entry["samples"] for entry in later) / seconds if later else None
+
+
+def samples_in_group(group_start: int, group_size: int, batch_size: int, samples_per_rank: int) -> int:
+    """Samples this rank trains on in micro-batches group_start .. group_start + group_size - 1 of an epoch."""
+    first = group_start * batch_size
+    return min(first + group_size * batch_size, samples_per_rank) - first
 
 
 def resume_position(epoch: int, batches_done: int, batches_per_epoch: int) -> tuple[int, int]:
