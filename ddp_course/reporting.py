@@ -28,11 +28,14 @@ def plot_scaling(records: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (throughput_axes, comm_axes) = plt.subplots(1, 2, figsize=(10, 4))
-    series = sorted({(r["config"], r["bucket_cap_mb"]) for r in records})
+    # A bucket cap is a size in MiB or the string "default" (DDP's own bucketing): keep the records'
+    # order rather than sorting values of two types.
+    series = list(dict.fromkeys((r["config"], r["bucket_cap_mb"]) for r in records))
     for config, bucket_cap in series:
-        points = sorted((r["world_size"], r) for r in records if (r["config"], r["bucket_cap_mb"]) == (config, bucket_cap))
+        points = sorted(((r["world_size"], r) for r in records if (r["config"], r["bucket_cap_mb"]) == (config, bucket_cap)),
+                        key=lambda point: point[0])
         sizes = [size for size, _ in points]
-        label = config if len({cap for _, cap in series}) == 1 else f"{config}, {bucket_cap:g} MB buckets"
+        label = config if len({cap for _, cap in series}) == 1 else f"{config}, {_bucket_label(bucket_cap)}"
         line = throughput_axes.plot(sizes, [r["samples_per_s"] for _, r in points], "o-", label=label)[0]
         if sizes[0] == 1:  # ideal: N times one rank's throughput
             throughput_axes.plot(sizes, [s * points[0][1]["samples_per_s"] for s in sizes], ":", color=line.get_color())
@@ -45,3 +48,7 @@ def plot_scaling(records: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _bucket_label(bucket_cap) -> str:
+    return "default buckets" if isinstance(bucket_cap, str) else f"{bucket_cap:g} MiB buckets"

@@ -6,19 +6,27 @@ that the backward pass could not hide:  comm_fraction = 1 - step_time(no_sync) /
 
     one measurement, 2 CPU processes:  torchrun --standalone --nproc_per_node=2 labs/lab5_scaling.py --config comm_bound
     the checkpoint sweep (no torchrun): python labs/lab5_scaling.py --sweep 1,2 --json runs/scaling.json
-    bucket sizes too:                   python labs/lab5_scaling.py --sweep 1,2 --bucket-caps 1,25,100 --json runs/b.json
+    bucket sizes too:                   python labs/lab5_scaling.py --sweep 1,2 --bucket-caps default,1,25,100 --json runs/b.json
     fp16 gradient compression:          python labs/lab5_scaling.py --sweep 1,2 --comm-hook fp16 --json runs/fp16.json
     strong scaling (fixed global batch): python labs/lab5_scaling.py --sweep 1,2 --global-batch 64 --json runs/s.json
-    8 GPUs (NCCL, bf16):                python labs/lab5_scaling.py --sweep 1,2,4,8 --configs resnet18 --amp --json runs/gpu.json
+
+GPU commands (NCCL). Written with care but NOT YET RUN on a GPU: the course has only ever run this
+lab on CPUs with gloo. --amp picks bf16 on GPUs with native bf16 (compute capability 8.0+), else
+fp16 with a GradScaler (ddp_course.amp); the record says which ("amp").
+    8 GPUs:  python labs/lab5_scaling.py --sweep 1,2,4,8 --configs resnet18 --amp --json runs/gpu.json
     2 nodes: on each node, torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
              --rdzv-endpoint=NODE0_HOST:29400 --rdzv-id=lab5 labs/lab5_scaling.py --config resnet18 --amp --json runs/2x8.json
 
-What you should see on a 2-core CPU: the sweep prints a table in about two and a half minutes
-(every point is measured in 3 interleaved rounds, keeping the fastest: see run_sweep). compute_bound
-(a small CNN, 0.4 MB of gradients per step) keeps most of its per-rank throughput at 2 ranks
-(weak-scaling efficiency about 0.85-0.9); comm_bound (a wide MLP, 52 MB of gradients per step) loses
-more than half of it, and its comm_fraction says why. The sweep pins one thread per rank
-(OMP_NUM_THREADS=1) so that 1 and 2 ranks compare fairly.
+How it copes with noise: inside one job, DDP and no_sync timings alternate --repeats times and each
+mode keeps the MEDIAN of its repeats; the sweep runs every point in --rounds interleaved jobs and
+keeps the FASTEST round (see run_sweep). So: median of repeats within a job, fastest of rounds
+across jobs.
+
+What you should see on a 2-core CPU: the sweep runs 8 short torchrun jobs and prints a table within
+a few minutes. compute_bound (a small CNN, 0.4 MB of gradients per step) keeps most of its per-rank
+throughput at 2 ranks (weak-scaling efficiency about 0.85-0.9); comm_bound (a wide MLP, 52 MB of
+gradients per step) loses more than half of it, and its comm_fraction says why. The sweep pins one
+thread per rank (OMP_NUM_THREADS=1) so that 1 and 2 ranks compare fairly.
 """
 
 import contextlib
@@ -35,8 +43,9 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_course.amp import choose_amp
 from ddp_course.checkpoint import atomic_write_json
-from ddp_course.cli import CourseArgumentParser, CourseError, float_list, int_list, name_list, positive_float, positive_int
+from ddp_course.cli import CourseArgumentParser, CourseError, int_list, name_list, positive_float, positive_int
 from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
 from ddp_course.launch import run_torchrun
 from ddp_course.models import build_model
@@ -59,6 +68,26 @@ CONFIGS = {
 # Gradient compression: the hook casts each bucket to 16 bits before the all-reduce (half the bytes)
 # and back afterwards. bf16 needs NCCL; fp16 works on gloo too.
 COMM_HOOKS = {"none": None, "fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+# DDP's own default is bucket_cap_mb=None, NOT 25: buckets of 25 MiB except the first one (the last
+# gradients of the model), which is capped at 1 MiB so that communication starts early. Passing 25
+# explicitly switches that small first bucket off. Source: _BucketCapacityConfig.create in
+# torch/nn/parallel/distributed.py (torch 2.14): is_using_default = bucket_cap_mb is None, and then
+# first_bucket_bytes_cap = dist._DEFAULT_FIRST_BUCKET_BYTES (1 MiB).
+DEFAULT_BUCKETS = "default"
+
+
+def bucket_cap(text: str):
+    """--bucket-cap-mb value: "default" (DDP's own choice, bucket_cap_mb=None) or a size in MiB."""
+    return DEFAULT_BUCKETS if text.strip() == DEFAULT_BUCKETS else positive_float(text)
+
+
+def bucket_cap_list(text: str) -> list:
+    """"default,1,25" -> ["default", 1.0, 25.0]."""
+    return [bucket_cap(part) for part in text.split(",")]
+
+
+def cap_label(cap) -> str:
+    return "DDP's default buckets" if cap == DEFAULT_BUCKETS else f"buckets of {cap:g} MiB"
 
 
 def parse_args(argv=None):
@@ -66,20 +95,26 @@ def parse_args(argv=None):
     parser.add_argument("--config", choices=CONFIGS, default="compute_bound", help="what one torchrun job measures")
     parser.add_argument("--batch-size", type=positive_int, help="per rank (default: the config's)")
     parser.add_argument("--global-batch", type=positive_int, help="strong scaling: split this batch over the ranks")
-    parser.add_argument("--bucket-cap-mb", type=positive_float, default=25.0, help="DDP gradient bucket size (25)")
-    parser.add_argument("--warmup-steps", type=positive_int, default=3)
-    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per repeat")
-    parser.add_argument("--repeats", type=positive_int, default=3, help="alternate DDP/no_sync timings, keep the median")
+    parser.add_argument("--bucket-cap-mb", type=bucket_cap, default=DEFAULT_BUCKETS,
+                        help="DDP gradient bucket size in MiB, or 'default' (DDP's: 1 MiB first bucket, then 25 MiB)")
+    # Two warm-up steps at least: DDP rebuilds its buckets in the second iteration's forward (in
+    # the order the gradients became ready), and that one-off cost must stay out of the timings.
+    parser.add_argument("--warmup-steps", type=positive_int, default=2, help="untimed steps first (2: past DDP's bucket rebuild)")
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per repeat")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="alternate DDP/no_sync timings this many times; each mode keeps the median of its repeats (within a job)")
     parser.add_argument("--comm-hook", choices=COMM_HOOKS, default="none", help="compress gradients before the all-reduce")
-    parser.add_argument("--amp", action="store_true", help="bf16 autocast (CUDA only)")
+    parser.add_argument("--amp", action="store_true", help="autocast on CUDA: bf16, or fp16 + GradScaler on GPUs without native bf16")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
     parser.add_argument("--timeout-s", type=positive_float, default=120.0)
     parser.add_argument("--json", help="write the result (or, with --sweep, the list of results) here")
     sweep = parser.add_argument_group("sweep driver (run with plain python, not torchrun)")
     sweep.add_argument("--sweep", type=int_list, help="world sizes, e.g. 1,2 or 1,2,4,8")
     sweep.add_argument("--configs", type=name_list, default="compute_bound,comm_bound", help="configs to sweep")
-    sweep.add_argument("--bucket-caps", type=float_list, default=[25.0], help="DDP bucket sizes in MB, e.g. 1,25,100")
-    sweep.add_argument("--rounds", type=positive_int, default=3, help="measure every point this many times, interleaved; keep the fastest")
+    sweep.add_argument("--bucket-caps", type=bucket_cap_list, default=[DEFAULT_BUCKETS],
+                       help="bucket sizes: 'default' and/or MiB, e.g. default,1,25,100")
+    sweep.add_argument("--rounds", type=positive_int, default=2,
+                       help="measure every point in this many interleaved jobs; keep the fastest round (across jobs)")
     sweep.add_argument("--threads-per-rank", type=positive_int, default=1, help="OMP_NUM_THREADS of every rank")
     sweep.add_argument("--plot", help="figure path (default: next to --json, .png)")
     args = parser.parse_args(argv)
@@ -93,17 +128,28 @@ def parse_args(argv=None):
     return args
 
 
-def seconds_per_step(ddp_model, optimizer, inputs, labels, steps, sync, ctx, amp) -> float:
+def check_measurement(ctx, args) -> None:
+    """Refuse, on every rank alike, a measurement this machine cannot make (one line, no traceback)."""
+    if args.amp and ctx.device.type != "cuda":
+        raise CourseError("--amp needs a CUDA GPU (bf16 or fp16 autocast); on the CPU run without --amp")
+    if args.comm_hook == "bf16" and ctx.backend != "nccl":
+        raise CourseError("--comm-hook bf16 needs the NCCL backend; on gloo use --comm-hook fp16")
+    if args.global_batch and args.global_batch % ctx.world_size:
+        raise CourseError(f"--global-batch {args.global_batch} does not split evenly over {ctx.world_size} ranks")
+
+
+def seconds_per_step(ddp_model, optimizer, scaler, inputs, labels, steps, sync, ctx, amp) -> float:
     """Average time of one training step on this rank; sync=False skips the gradient all-reduce."""
     skip_sync = contextlib.nullcontext if sync else ddp_model.no_sync
     dist.barrier()  # start together, so no rank's clock includes waiting for a late peer
     start = time.perf_counter()
     for _ in range(steps):
         with skip_sync():
-            with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=amp):
+            with torch.autocast(ctx.device.type, dtype=amp.dtype, enabled=amp.enabled):
                 loss = F.cross_entropy(ddp_model(inputs), labels)
-            loss.backward()  # with sync, DDP all-reduces gradient buckets while backward runs
-        optimizer.step()
+            scaler.scale(loss).backward()  # with sync, DDP all-reduces gradient buckets while backward runs
+        scaler.step(optimizer)  # a plain optimizer.step() unless fp16 needs loss scaling
+        scaler.update()
         # Zero in place rather than set_to_none: the gradients stay views into DDP's buckets in both
         # modes. Set to None, a no_sync backward must allocate fresh gradients every step (52 MB for
         # comm_bound), which made no_sync slower than DDP on one rank and hid the communication.
@@ -113,50 +159,74 @@ def seconds_per_step(ddp_model, optimizer, inputs, labels, steps, sync, ctx, amp
     return (time.perf_counter() - start) / steps
 
 
+def gather_from_every_rank(ctx, values: list[float]) -> list[torch.Tensor]:
+    """all_gather of a few numbers: one float64 tensor per rank, in rank order, on this rank's device.
+
+    The input AND every tensor of the output list live on ctx.device: NCCL moves only GPU memory,
+    and an output list left on the CPU would hand it host pointers (a crash, not an error message).
+    """
+    mine = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    every_rank = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(every_rank, mine)
+    return every_rank
+
+
+def bucket_sizes_mib(ddp_model) -> list[float] | None:
+    """The gradient buckets DDP all-reduces, in MiB, in the order it sends them (after its rebuild).
+
+    Read from the reducer's private _get_zeros_like_grad_buckets (torch 2.14): there is no public
+    accessor. None if a later torch renames it; the measurement does not depend on it.
+    """
+    get_buckets = getattr(ddp_model.reducer, "_get_zeros_like_grad_buckets", None)
+    if get_buckets is None:
+        return None
+    return [round(bucket.buffer().numel() * bucket.buffer().element_size() / 2**20, 2) for bucket in get_buckets()]
+
+
 def measure(ctx, args) -> dict:
+    check_measurement(ctx, args)
     config = CONFIGS[args.config]
-    if args.amp and ctx.device.type != "cuda":
-        raise CourseError("--amp needs a CUDA GPU (bf16 autocast); on the CPU run without --amp")
-    if args.comm_hook == "bf16" and ctx.backend != "nccl":
-        raise CourseError("--comm-hook bf16 needs the NCCL backend; on gloo use --comm-hook fp16")
-    if args.global_batch and args.global_batch % ctx.world_size:
-        raise CourseError(f"--global-batch {args.global_batch} does not split evenly over {ctx.world_size} ranks")
     batch = args.global_batch // ctx.world_size if args.global_batch else (args.batch_size or config.batch_size)
+    amp = choose_amp(ctx.device, args.amp)  # bf16 where the GPU has it natively, else fp16 + GradScaler
+    log(f"config: {args.config} world_size={ctx.world_size} backend={ctx.backend} device={ctx.device.type} "
+        f"batch={batch}/rank {cap_label(args.bucket_cap_mb)} comm_hook={args.comm_hook} amp={amp.dtype_name}")  # fmt: skip
 
     torch.manual_seed(0)
     model = build_model(config.model).to(ctx.device)
     # gradient_as_bucket_view: each .grad is a view into DDP's communication buckets, which saves a
     # copy of every gradient per step (and its memory); without it a 1-rank "all-reduce" still copies.
     device_ids = [ctx.local_rank] if ctx.device.type == "cuda" else None
-    ddp_model = DDP(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True)
+    cap_mb = None if args.bucket_cap_mb == DEFAULT_BUCKETS else args.bucket_cap_mb
+    ddp_model = DDP(model, device_ids=device_ids, bucket_cap_mb=cap_mb, gradient_as_bucket_view=True)
     if COMM_HOOKS[args.comm_hook]:
         ddp_model.register_comm_hook(state=None, hook=COMM_HOOKS[args.comm_hook])
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp.use_grad_scaler)
     # Synthetic data already on the device: we time the training step, not data loading.
     inputs = torch.randn(batch, *config.input_shape, device=ctx.device)
     labels = torch.randint(0, 10, (batch,), device=ctx.device)
 
-    seconds_per_step(ddp_model, optimizer, inputs, labels, args.warmup_steps, True, ctx, args.amp)
+    step = (ddp_model, optimizer, scaler, inputs, labels)
+    seconds_per_step(*step, args.warmup_steps, True, ctx, amp)
     timings = {True: [], False: []}
     for _ in range(args.repeats):  # alternate, so drift in machine load hits both modes alike
         for sync in (True, False):
-            timings[sync].append(seconds_per_step(ddp_model, optimizer, inputs, labels, args.steps, sync, ctx, args.amp))
-    mine = torch.tensor([sorted(timings[s])[len(timings[s]) // 2] for s in (True, False)], dtype=torch.float64)
-    every_rank = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
-    dist.all_gather(every_rank, mine.to(ctx.device) if ctx.backend == "nccl" else mine)
-    every_rank = [times.cpu() for times in every_rank]
+            timings[sync].append(seconds_per_step(*step, args.steps, sync, ctx, amp))
+    medians = [sorted(timings[sync])[len(timings[sync]) // 2] for sync in (True, False)]
+    every_rank = [times.cpu().tolist() for times in gather_from_every_rank(ctx, medians)]
     # The job moves at the pace of its slowest rank: every step ends in the same all-reduce.
-    step_time = max(float(times[0]) for times in every_rank)
-    step_time_no_sync = max(float(times[1]) for times in every_rank)
+    step_time = max(times[0] for times in every_rank)
+    step_time_no_sync = max(times[1] for times in every_rank)
     gradient_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
     return {
         "config": args.config, "model": config.model, "world_size": ctx.world_size, "backend": ctx.backend,
         "device": ctx.device.type, "per_rank_batch": batch, "global_batch": batch * ctx.world_size,
-        "bucket_cap_mb": args.bucket_cap_mb, "comm_hook": args.comm_hook, "amp": args.amp, "gradient_mb": round(gradient_mb, 3),
+        "bucket_cap_mb": args.bucket_cap_mb, "bucket_sizes_mib": bucket_sizes_mib(ddp_model),
+        "comm_hook": args.comm_hook, "amp": amp.dtype_name, "gradient_mb": round(gradient_mb, 3),
         "threads_per_rank": torch.get_num_threads(), "step_time_s": step_time,
         "step_time_no_sync_s": step_time_no_sync, "comm_fraction": max(0.0, 1 - step_time_no_sync / step_time),
         "samples_per_s": batch * ctx.world_size / step_time,
-        "per_rank_samples_per_s": [batch / float(times[0]) for times in every_rank],
+        "per_rank_samples_per_s": [batch / times[0] for times in every_rank],
     }  # fmt: skip
 
 
@@ -167,17 +237,16 @@ def run_sweep(args) -> int:
     down for seconds at a time, and a 1-rank job that ran in a slow moment against a 2-rank job that
     did not makes up an efficiency. So the sweep measures every point --rounds times, interleaved
     (1, 2, 1, 2, ... ranks), and keeps each point's fastest round: other programs slow a job down,
-    they do not speed it up, so the fastest round is the closest to what the hardware can do. Every
-    round's throughput is kept in the record (samples_per_s_by_round), so the spread stays visible.
+    they do not speed it up, so the fastest round is the closest to what the hardware can do. (Inside
+    each job, every mode's time is already the median of --repeats timings.) Every round's throughput
+    is kept in the record (samples_per_s_by_round), so the spread stays visible.
     """
-    points = [(config, bucket_cap, world_size)
-              for config in args.configs for bucket_cap in args.bucket_caps for world_size in args.sweep]  # fmt: skip
+    points = [(config, cap, world_size) for config in args.configs for cap in args.bucket_caps for world_size in args.sweep]
     rounds_of = {point: [] for point in points}
     for round_number in range(1, args.rounds + 1):
         for point in points:
-            config, bucket_cap, world_size = point
-            print(f"round {round_number}/{args.rounds}: measuring {config} on {world_size} rank(s), "
-                  f"buckets of {bucket_cap:g} MB ...", flush=True)  # fmt: skip
+            config, cap, world_size = point
+            print(f"round {round_number}/{args.rounds}: measuring {config} on {world_size} rank(s), {cap_label(cap)} ...", flush=True)
             rounds_of[point].append(run_job(args, *point))
     records = [fastest_round(rounds_of[point]) for point in points]
     add_efficiency(records, strong=bool(args.global_batch))
@@ -190,19 +259,21 @@ def run_sweep(args) -> int:
     return 0
 
 
-def run_job(args, config: str, bucket_cap: float, world_size: int) -> dict:
+def run_job(args, config: str, cap, world_size: int) -> dict:
     """One torchrun job measuring one configuration; returns its record."""
-    result_file = Path(args.json).resolve().parent / f".lab5_{config}_{bucket_cap:g}mb_{world_size}.json"
-    job_args = ["--config", config, "--bucket-cap-mb", bucket_cap, "--json", result_file,
+    result_file = Path(args.json).resolve().parent / f".lab5_{config}_{cap}_{world_size}.json"
+    job_args = ["--config", config, "--bucket-cap-mb", cap, "--json", result_file,
                 "--warmup-steps", args.warmup_steps, "--steps", args.steps, "--repeats", args.repeats,
                 "--comm-hook", args.comm_hook, "--backend", args.backend, "--timeout-s", args.timeout_s]  # fmt: skip
     job_args += ["--amp"] * args.amp
     job_args += ["--global-batch", args.global_batch] if args.global_batch else []
     job_args += ["--batch-size", args.batch_size] if args.batch_size else []
-    job = run_torchrun(__file__, job_args, nproc=world_size, threads_per_rank=args.threads_per_rank, timeout_s=600)
+    # use_gpus: the jobs see the GPUs this driver sees (none when a test or notebook hid them).
+    launch = dict(nproc=world_size, threads_per_rank=args.threads_per_rank, timeout_s=600, use_gpus=True)
+    job = run_torchrun(__file__, job_args, **launch)
     if job.aborted_at_exit:  # a rare gloo crash at exit, after the work: see ddp_course.launch
         print("  a rank aborted while exiting (a rare gloo teardown crash, not your measurement): measuring again")
-        job = run_torchrun(__file__, job_args, nproc=world_size, threads_per_rank=args.threads_per_rank, timeout_s=600)
+        job = run_torchrun(__file__, job_args, **launch)
     if not job.ok:
         print(job.describe(), file=sys.stderr)
         raise CourseError(f"the {config} job on {world_size} rank(s) failed (its output is above)")

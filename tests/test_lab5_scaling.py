@@ -1,114 +1,205 @@
-"""labs/lab5_scaling.py: one measurement under torchrun, and the sweep driver (fields, formulas, plot).
+"""labs/lab5_scaling.py: one measurement under torchrun, the sweep driver, and the pieces they share.
 
 Timing thresholds (efficiency >= 0.85 / < 0.6) are measured by the driver itself on a quiet machine
 and reported in the lab's notes, not asserted here: a loaded CI machine would make them flaky.
+
+Launches cost seconds each on a 2-core machine, so the module makes four and shares them between
+assertions (module-scoped fixtures): one 2-rank measurement, one 2-job sweep, one refused
+measurement and one bad command line. Everything that does not need real processes - argument
+parsing, the refusals, the interleaved rounds, the efficiencies, the plot, the devices the
+all_gather sees - runs in-process on the lab's own functions.
 """
 
+import importlib.util
+import json
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from ddp_course.cli import CourseError
 from ddp_course.launch import REPO_ROOT, run_command, run_torchrun
 
 LAB5 = REPO_ROOT / "labs" / "lab5_scaling.py"
 FAST = ["--warmup-steps", "1", "--steps", "2", "--repeats", "1"]
-ONE_ROUND = ["--rounds", "1"]
 SWEEP_FIELDS = {"config", "world_size", "samples_per_s", "step_time_s", "comm_fraction", "weak_scaling_efficiency", "backend", "device"}
+# WideMLP's gradient buckets in MiB, in the order DDP sends them after its rebuild (layer sizes
+# 2048x10+10, 3 x 2048x2048+2048, 256x2048+2048 floats). DDP's default caps the first bucket at
+# 1 MiB: it closes after the first 16 MiB weight. An explicit 25 MiB cap has no small first bucket.
+DEFAULT_LAYOUT = [16.09, 32.02, 2.01]
+EXPLICIT_25_LAYOUT = [32.09, 18.02]
 
 
 def run_driver(*args, timeout_s=240):
     return run_command([sys.executable, str(LAB5), *map(str, args)], timeout_s=timeout_s)
 
 
-@pytest.mark.timeout(120)
-def test_one_measurement_under_torchrun(tmp_path, read_json):
-    result = run_torchrun(LAB5, ["--config", "comm_bound", "--batch-size", "4", "--json", tmp_path / "r.json", *FAST], nproc=2)
+@pytest.fixture(scope="module")
+def lab5():
+    """The lab script imported as a module (its main() only runs from the command line)."""
+    spec = importlib.util.spec_from_file_location("lab5_scaling", LAB5)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def measurement(tmp_path_factory):
+    """One 2-rank job: strong-scaling batch split, fp16 compression hook, an explicit 25 MiB cap."""
+    path = tmp_path_factory.mktemp("lab5_one") / "r.json"
+    args = ["--config", "comm_bound", "--global-batch", "8", "--comm-hook", "fp16", "--bucket-cap-mb", "25", "--json", path, *FAST]
+    result = run_torchrun(LAB5, args, nproc=2)
     assert result.ok, result.describe()
-    record = read_json(tmp_path / "r.json")
+    return result, json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def default_sweep(tmp_path_factory):
+    """The checkpoint's sweep with DDP's default buckets, shrunk: comm_bound only, 1 round, 2 jobs."""
+    folder = tmp_path_factory.mktemp("lab5_sweep")
+    result = run_driver("--sweep", "1,2", "--configs", "comm_bound", "--rounds", "1", "--json", folder / "sweep.json", *FAST)
+    assert result.ok, result.describe()
+    return result, json.loads((folder / "sweep.json").read_text()), folder
+
+
+@pytest.mark.timeout(120)
+def test_one_measurement_under_torchrun(measurement):
+    result, record = measurement
     assert (record["world_size"], record["backend"], record["device"]) == (2, "gloo", "cpu")
-    assert (record["per_rank_batch"], record["global_batch"]) == (4, 8)
+    assert (record["per_rank_batch"], record["global_batch"]) == (4, 8)  # --global-batch 8 split over 2 ranks
     assert record["gradient_mb"] == pytest.approx(13_135_882 * 4 / 1e6, rel=1e-3)  # WideMLP's fp32 gradients
+    assert (record["comm_hook"], record["amp"]) == ("fp16", "off")
+    assert "amp=off" in result.stdout and "comm_hook=fp16" in result.stdout  # rank 0's configuration line
     assert len(record["per_rank_samples_per_s"]) == 2
     assert record["samples_per_s"] == pytest.approx(8 / record["step_time_s"])
+    assert record["step_time_s"] == pytest.approx(max(4 / rate for rate in record["per_rank_samples_per_s"]))  # slowest rank
     assert 0 <= record["comm_fraction"] < 1
     assert record["comm_fraction"] == pytest.approx(max(0.0, 1 - record["step_time_no_sync_s"] / record["step_time_s"]))
     assert "comm_fraction" in result.stdout  # rank 0's table
 
 
 @pytest.mark.timeout(120)
-def test_fp16_compression_hook_is_recorded(tmp_path, read_json):
-    result = run_torchrun(LAB5, ["--config", "comm_bound", "--comm-hook", "fp16", "--json", tmp_path / "r.json", *FAST], nproc=2)
-    assert result.ok, result.describe()
-    record = read_json(tmp_path / "r.json")
-    assert (record["comm_hook"], record["world_size"]) == ("fp16", 2)
-    assert record["step_time_s"] > 0 and 0 <= record["comm_fraction"] < 1
+def test_explicit_25_mib_cap_has_no_small_first_bucket(measurement):
+    _, record = measurement
+    assert record["bucket_cap_mb"] == 25.0
+    assert record["bucket_sizes_mib"] == EXPLICIT_25_LAYOUT
 
 
-@pytest.mark.timeout(300)
-def test_weak_scaling_sweep_with_two_bucket_sizes(tmp_path, read_json):
-    out = tmp_path / "sweep.json"
-    result = run_driver("--sweep", "1,2", "--configs", "comm_bound", "--bucket-caps", "1,25", "--batch-size", "4", "--json", out,
-                        *FAST, *ONE_ROUND)
-    assert result.ok, result.describe()
-    records = read_json(out)
-    assert [(r["bucket_cap_mb"], r["world_size"]) for r in records] == [(1.0, 1), (1.0, 2), (25.0, 1), (25.0, 2)]
+@pytest.mark.timeout(240)
+def test_default_sweep_measures_ddps_own_buckets(default_sweep):
+    result, records, folder = default_sweep
+    assert [(r["bucket_cap_mb"], r["world_size"]) for r in records] == [("default", 1), ("default", 2)]
     for record in records:
         assert SWEEP_FIELDS <= record.keys()
         assert record["config"] == "comm_bound" and record["per_rank_batch"] == 4
-        single = next(r for r in records if r["world_size"] == 1 and r["bucket_cap_mb"] == record["bucket_cap_mb"])
-        expected = record["samples_per_s"] / (record["world_size"] * single["samples_per_s"])
-        assert record["weak_scaling_efficiency"] == pytest.approx(expected)
-    assert [r["weak_scaling_efficiency"] for r in records if r["world_size"] == 1] == [1.0, 1.0]
-    assert (tmp_path / "sweep.png").stat().st_size > 10_000
-    assert "weak_scaling_efficiency" in result.stdout and "comm_bound" in result.stdout
-    assert not list(tmp_path.glob(".lab5_*"))  # per-job files are cleaned up
+        # bucket_cap_mb=None reached DDP: a first bucket smaller than 25 MiB (passing 25.0 would give EXPLICIT_25_LAYOUT).
+        assert record["bucket_sizes_mib"] == DEFAULT_LAYOUT
+        assert len(record["samples_per_s_by_round"]) == 1
+    assert records[0]["weak_scaling_efficiency"] == 1.0
+    assert records[1]["weak_scaling_efficiency"] == pytest.approx(records[1]["samples_per_s"] / (2 * records[0]["samples_per_s"]))
+    assert (folder / "sweep.png").stat().st_size > 10_000
+    assert "weak_scaling_efficiency" in result.stdout and "DDP's default buckets" in result.stdout
+    assert not list(folder.glob(".lab5_*"))  # per-job files are cleaned up
 
 
-@pytest.mark.timeout(300)
-def test_strong_scaling_splits_the_global_batch(tmp_path, read_json):
-    out = tmp_path / "strong.json"
-    result = run_driver("--sweep", "1,2", "--configs", "compute_bound", "--global-batch", "8", "--rounds", "2", "--json", out, *FAST)
-    assert result.ok, result.describe()
-    records = read_json(out)
-    assert [(r["world_size"], r["per_rank_batch"], r["global_batch"]) for r in records] == [(1, 8, 8), (2, 4, 8)]
-    assert all(r["weak_scaling_efficiency"] is None for r in records)
-    assert records[1]["strong_scaling_efficiency"] == pytest.approx(records[1]["samples_per_s"] / (2 * records[0]["samples_per_s"]))
-    # Two interleaved rounds per point; the record is the fastest one, and both rounds are listed.
-    assert [line.split(":")[0] for line in result.stdout.splitlines() if line.startswith("round ")] == ["round 1/2"] * 2 + ["round 2/2"] * 2
-    for record in records:
-        assert len(record["samples_per_s_by_round"]) == 2
-        assert record["samples_per_s"] == max(record["samples_per_s_by_round"])
+def test_all_gather_keeps_every_tensor_on_the_rank_device(lab5, monkeypatch):
+    """Review finding 1: the step-time gather sent a CUDA input with CPU outputs, which crashes NCCL.
+
+    The fake rank's device is "meta": its tensors carry a device but no data, so a CPU-only machine
+    sees what a GPU rank would hand to all_gather. The old code (outputs built with zeros_like of a
+    CPU tensor) fails here: its output list is on the CPU.
+    """
+    calls = []
+
+    def recording_all_gather(outputs, tensor, *args, **kwargs):
+        calls.append((tensor.device, [output.device for output in outputs]))
+
+    monkeypatch.setattr(lab5.dist, "all_gather", recording_all_gather)
+    rank = SimpleNamespace(device=torch.device("meta"), backend="nccl", world_size=2, rank=0, local_rank=0)
+    gathered = lab5.gather_from_every_rank(rank, [0.25, 0.125])
+    assert calls == [(torch.device("meta"), [torch.device("meta")] * 2)]
+    assert [t.device.type for t in gathered] == ["meta", "meta"]
 
 
-@pytest.mark.timeout(60)
+def test_bucket_caps_accept_default_and_sizes(lab5):
+    assert lab5.parse_args([]).bucket_cap_mb == "default"
+    assert lab5.parse_args(["--sweep", "1,2", "--json", "o.json"]).bucket_caps == ["default"]
+    assert lab5.parse_args(["--bucket-caps", "default,1,25,100"]).bucket_caps == ["default", 1.0, 25.0, 100.0]
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--sweep", "1,x", "--json", "o.json"], r"--sweep: must be an integer"),
         (["--sweep", "1,2"], r"--sweep needs --json"),
         (["--sweep", "1", "--configs", "huge", "--json", "o.json"], r"unknown config\(s\) huge"),
         (["--steps", "0"], r"--steps: must be a positive integer"),
+        (["--bucket-caps", "default,0"], r"--bucket-caps: must be a positive number"),
+        (["--bucket-cap-mb", "big"], r"--bucket-cap-mb: must be a number"),
     ],
 )
-def test_driver_bad_flags_fail_with_one_line(args, expected):
-    result = run_driver(*args)
-    errors = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert result.returncode == 2 and len(errors) == 1, result.describe()
-    assert re.search(expected, errors[0]), result.describe()
+def test_bad_flags_fail_with_one_line(lab5, capsys, args, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        lab5.parse_args(args)
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert exit_info.value.code == 2 and len(errors) == 1, errors
+    assert re.search(expected, errors[0]), errors
 
 
 @pytest.mark.timeout(60)
+def test_bad_flag_on_the_command_line_fails_with_one_line():
+    result = run_driver("--sweep", "1,x", "--json", "o.json")
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert result.returncode == 2 and len(errors) == 1, result.describe()
+    assert "--sweep: must be an integer" in errors[0] and "Traceback" not in result.stderr, result.describe()
+
+
 @pytest.mark.parametrize(
-    ("args", "expected"),
+    ("flags", "expected"),
     [
-        (["--global-batch", "7"], "does not split evenly over 2 ranks"),
-        (["--amp"], "--amp needs a CUDA GPU"),
-        (["--comm-hook", "bf16"], "--comm-hook bf16 needs the NCCL backend"),
+        ({"global_batch": 7}, "does not split evenly over 2 ranks"),
+        ({"amp": True}, "--amp needs a CUDA GPU"),
+        ({"comm_hook": "bf16"}, "--comm-hook bf16 needs the NCCL backend"),
     ],
 )
-def test_impossible_measurements_fail_with_one_line(args, expected):
-    result = run_torchrun(LAB5, args, nproc=2)
+def test_impossible_measurements_are_refused(lab5, flags, expected):
+    args = SimpleNamespace(**{**vars(lab5.parse_args([])), **flags})
+    cpu_rank = SimpleNamespace(device=torch.device("cpu"), backend="gloo", world_size=2)
+    with pytest.raises(CourseError, match=re.escape(expected)):
+        lab5.check_measurement(cpu_rank, args)
+
+
+@pytest.mark.timeout(60)
+def test_refused_measurement_under_torchrun_prints_one_line():
+    result = run_torchrun(LAB5, ["--global-batch", "7"], nproc=2)
     errors = [line for line in result.stderr.splitlines() if line.startswith("lab5_scaling.py: error:")]
-    assert result.returncode != 0 and len(errors) == 1 and expected in errors[0], result.describe()
+    assert result.returncode != 0 and len(errors) == 1 and "does not split evenly over 2 ranks" in errors[0], result.describe()
     assert "[rank0]: Traceback" not in result.stderr and 'lab5_scaling.py", line' not in result.stderr, result.describe()
+
+
+def test_rounds_interleave_and_keep_the_fastest(lab5, monkeypatch, tmp_path, capsys):
+    """run_sweep's bookkeeping with fake jobs: rounds interleaved, fastest kept, every round listed,
+    strong-scaling efficiency, and a plot with DDP's default next to an explicit cap."""
+    throughputs = iter([100.0, 150.0, 200.0, 290.0, 120.0, 140.0, 180.0, 300.0])  # round 1 then round 2
+
+    def fake_job(args, config, cap, world_size):
+        batch = args.global_batch // world_size
+        return {"config": config, "bucket_cap_mb": cap, "world_size": world_size, "per_rank_batch": batch,
+                "samples_per_s": next(throughputs), "step_time_s": 0.1, "comm_fraction": 0.5}  # fmt: skip
+
+    monkeypatch.setattr(lab5, "run_job", fake_job)
+    out = tmp_path / "strong.json"
+    args = lab5.parse_args(["--sweep", "1,2", "--configs", "comm_bound", "--bucket-caps", "default,25", "--global-batch", "8",
+                            "--json", str(out)])  # fmt: skip
+    assert lab5.run_sweep(args) == 0
+    rounds = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("round ")]
+    assert rounds == ["round 1/2"] * 4 + ["round 2/2"] * 4
+    records = json.loads(out.read_text())
+    assert [(r["bucket_cap_mb"], r["world_size"], r["per_rank_batch"]) for r in records] == [
+        ("default", 1, 8), ("default", 2, 4), (25.0, 1, 8), (25.0, 2, 4)]  # fmt: skip
+    assert [r["samples_per_s_by_round"] for r in records] == [[100.0, 120.0], [150.0, 140.0], [200.0, 180.0], [290.0, 300.0]]
+    assert [r["samples_per_s"] for r in records] == [120.0, 150.0, 200.0, 300.0]
+    assert [r["strong_scaling_efficiency"] for r in records] == [1.0, 150 / 240, 1.0, 300 / 400]
+    assert all(r["weak_scaling_efficiency"] is None for r in records)
+    assert out.with_suffix(".png").stat().st_size > 10_000
