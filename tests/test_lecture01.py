@@ -3,7 +3,8 @@
 nbval runs both notebooks; this module checks that each exercise cell in the lecture is its
 solution cell with the part between the markers removed, that the check cells are the same in
 both notebooks, and that the stored outputs say "correct" for the solutions and "not solved yet"
-for the lecture.
+for the lecture. tests/test_lecture01_exercises.py runs the checks against the solutions and
+against wrong answers.
 """
 
 import json
