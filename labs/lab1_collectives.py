@@ -13,9 +13,16 @@ Launch from the repository root:
 What you should see: one PASS line per collective (SKIP with a reason where one cannot run) and
 "10/10 collectives passed"; any FAIL ends the job with exit status 1. Rank r contributes the
 float32 values 100(r+1) + [0, 1, ...], so every rank can work out what each collective must
-return. With --bench, rank 0 then prints one row per message size: the time of one all-reduce,
-algbw = bytes / time and busbw = algbw x 2(N-1)/N, as NVIDIA's nccl-tests define them
-(doc/PERFORMANCE.md). Two gloo ranks on a 2-core laptop reach about 1-2 GB/s busbw at 64 MiB.
+return. With --bench, rank 0 then prints one row per message size: the time of one all-reduce
+(the median over --iters timed calls of the slowest rank's time), algbw = bytes / time and
+busbw = algbw x 2(N-1)/N, as NVIDIA's nccl-tests define them (doc/PERFORMANCE.md). Two gloo ranks
+on a 2-core CPU reach roughly 0.5-2 GB/s busbw; busbw often peaks around 1-2 MiB, where gloo's
+buffers and socket copies still fit in the CPU caches, and settles lower beyond (memory-bound).
+
+On GPUs (NCCL; not run by this course's tests, which have no GPU) each timed call is a Python
+call, a c10d work object and a kernel launch, then a synchronize: rows below about 1 MiB measure
+that host-side path more than NCCL. For NCCL's own figure run NVIDIA's nccl-tests:
+`all_reduce_perf -b 4K -e 1G -f 2 -g <gpus>`.
 
 Self-test of the checker: --corrupt-rank R adds 0.5 to the first value rank R contributes after
 the expected results are fixed. Every collective that reads R's data must then FAIL (broadcast
@@ -25,6 +32,7 @@ that a PASS means something.
 
 import argparse
 import re
+import statistics
 import sys
 import time
 
@@ -36,7 +44,6 @@ from ddp_course.cli import CourseArgumentParser, CourseError, non_negative_int, 
 from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
 
 BARRIER_DELAY_S = 0.2  # the last rank reaches the barrier this late on purpose
-CLOCK_SKEW_S = 0.05  # allowance when comparing the wall clocks of different nodes
 # torch 2.14 renamed reduce_scatter_tensor to reduce_scatter_single (the old name warns); older torch has only the old.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -59,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-bytes", type=byte_size, help="largest message (64M on the CPU, 1G on GPUs)")
     parser.add_argument("--factor", type=positive_int, default=2, help="size ratio between rows, 2 or more (2)")
     parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed all-reduces per size (3)")
-    parser.add_argument("--iters", type=positive_int, default=10, help="timed all-reduces per size (10)")
+    parser.add_argument("--iters", type=positive_int, default=20, help="timed all-reduces per size; the median is kept (20)")
     parser.add_argument("--json", help="with --bench: write one record per message size here")
     parser.add_argument("--plot", help="with --bench: save bandwidth against size here (PNG, PDF, ...)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: nccl with a GPU per rank, else gloo")
@@ -162,16 +169,28 @@ def check_reduce_scatter(ctx, mine, everyone):
 
 
 def check_barrier(ctx, mine, everyone):
-    """no rank left before the last one arrived"""
-    if ctx.rank == ctx.world_size - 1:
+    """the early ranks waited for the late one, and it did not wait"""
+    late_rank = ctx.world_size - 1
+    if ctx.rank == late_rank:
         time.sleep(BARRIER_DELAY_S)  # arrive late: all the others must wait for this rank
-    arrived = time.time()
+    # Each rank times its own wait on its own monotonic clock: no comparison of clocks across
+    # nodes, which are only as close as their NTP (often milliseconds apart, sometimes worse).
+    arrived = time.perf_counter()
     dist.barrier()
-    left = time.time()
-    times = [torch.zeros(2, dtype=torch.float64, device=ctx.device) for _ in range(ctx.world_size)]
-    dist.all_gather(times, torch.tensor([arrived, left], dtype=torch.float64, device=ctx.device))
-    last_arrival = max(float(t[0]) for t in times)
-    return None, left >= last_arrival - CLOCK_SKEW_S  # without the barrier rank 0 would leave 0.2 s early
+    waited_s = time.perf_counter() - arrived
+    waits = [torch.zeros(1, dtype=torch.float64, device=ctx.device) for _ in range(ctx.world_size)]
+    dist.all_gather(waits, torch.tensor([waited_s], dtype=torch.float64, device=ctx.device))
+    return torch.tensor([waited_s]), barrier_held([float(w) for w in waits], late_rank)
+
+
+def barrier_held(waits_s: list[float], late_rank: int, delay_s: float = BARRIER_DELAY_S) -> bool:
+    """True when every early rank waited about delay_s at the barrier and the late rank did not.
+
+    Half the delay separates the two: a barrier that let ranks through early would show waits
+    near 0 on every rank; scheduling noise on a busy machine is milliseconds, far below 0.1 s.
+    """
+    early = [wait for rank, wait in enumerate(waits_s) if rank != late_rank]
+    return all(wait >= delay_s / 2 for wait in early) and waits_s[late_rank] < delay_s / 2
 
 
 def check_send_recv_ring(ctx, mine, everyone):
@@ -240,37 +259,58 @@ def synchronize(ctx) -> None:
 
 def bench_all_reduce(ctx, args) -> list[dict]:
     """Time an in-place float32 sum all-reduce per message size, the way nccl-tests does."""
-    size, largest = args.min_bytes, args.max_bytes or (2**30 if ctx.device.type == "cuda" else 64 * 2**20)
     bus_factor = 2 * (ctx.world_size - 1) / ctx.world_size  # bytes each rank sends per byte reduced (ring)
     records = []
-    while size <= largest:
+    for size in message_sizes(args, ctx.device.type):
         buffer = torch.zeros(size // 4, dtype=torch.float32, device=ctx.device)  # zeros stay zero: no overflow
-        for _ in range(args.warmup):  # the first calls set up connections and buffers
-            dist.all_reduce(buffer)
-        synchronize(ctx)
-        dist.barrier()  # start every rank's clock together
-        start = time.perf_counter()
-        for _ in range(args.iters):
-            dist.all_reduce(buffer)
-        synchronize(ctx)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=ctx.device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a collective ends when its slowest rank does
-        time_s = float(elapsed) / args.iters
+        time_s = median_call_time(ctx, buffer, args)
         algbw = size / time_s / 1e9  # GB/s of data reduced, as the caller sees it
         records.append({
             "bytes": size, "time_s": time_s, "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor,
             "world_size": ctx.world_size, "backend": ctx.backend,
         })  # fmt: skip
-        size *= args.factor
     return records
+
+
+def message_sizes(args, device_type: str) -> list[int]:
+    """--min-bytes, times --factor, ... up to --max-bytes (default 64 MiB on the CPU, 1 GiB on GPUs)."""
+    largest = args.max_bytes or (2**30 if device_type == "cuda" else 64 * 2**20)
+    sizes = [args.min_bytes]
+    while sizes[-1] * args.factor <= largest:
+        sizes.append(sizes[-1] * args.factor)
+    return sizes
+
+
+def median_call_time(ctx, buffer, args) -> float:
+    """Seconds per all-reduce of buffer: the median over --iters calls of the slowest rank's time.
+
+    The median, not the mean: on a shared machine one call in twenty can be stalled by the
+    scheduler for milliseconds, and a mean would charge that to the collective.
+    """
+    for _ in range(args.warmup):  # the first calls set up connections and buffers
+        dist.all_reduce(buffer)
+    synchronize(ctx)
+    dist.barrier()  # start every rank's clock together
+    seconds = []
+    for _ in range(args.iters):
+        start = time.perf_counter()
+        dist.all_reduce(buffer)
+        synchronize(ctx)  # on a GPU: includes one synchronize per call (microseconds; see the docstring)
+        seconds.append(time.perf_counter() - start)
+    slowest = torch.tensor(seconds, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # call i ends when its slowest rank is done
+    return statistics.median(slowest.tolist())
 
 
 def report_bench(records, args) -> None:
     log(f"all-reduce benchmark: {records[0]['world_size']} ranks, {records[0]['backend']}, float32 sum in place, "
-        f"{args.warmup} warm-up + {args.iters} timed iterations per size")  # fmt: skip
+        f"{args.warmup} warm-up + {args.iters} timed calls per size, median of the slowest rank's times")  # fmt: skip
     log(f"{'bytes':>13} {'time (us)':>11} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}")
     for r in records:
         log(f"{r['bytes']:>13,} {r['time_s'] * 1e6:>11.1f} {r['algbw_gbps']:>13.3f} {r['busbw_gbps']:>13.3f}")
+    if records[0]["backend"] == "nccl":  # each row is timed from Python
+        log("note: rows below about 1 MiB time the host-side path (Python, c10d, kernel launch, synchronize) "
+            "more than NCCL itself; for NCCL's own figure run nccl-tests: all_reduce_perf -b 4K -e 1G -f 2 -g <gpus>")
     if args.json:
         atomic_write_json(records, args.json)
     if args.plot:

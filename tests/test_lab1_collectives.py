@@ -1,5 +1,12 @@
-"""labs/lab1_collectives.py launched as a learner launches it: torchrun, 2 gloo ranks on the CPU."""
+"""labs/lab1_collectives.py launched as a learner launches it: torchrun, 2 gloo ranks on the CPU.
 
+Launches are shared where the same job answers several questions: one job runs every check and
+the default benchmark sweep (as the lab sheet does), read by three tests. Argument checks that
+need no process group run the script's own parse_args in this process; two launches prove that
+under torchrun a mistake is reported once for the job, without a traceback.
+"""
+
+import importlib.util
 import json
 import math
 import re
@@ -14,6 +21,7 @@ COLLECTIVES = [
     "all_gather", "reduce_scatter", "barrier", "send_recv_ring",
 ]  # fmt: skip
 RECORD_FIELDS = {"bytes", "time_s", "algbw_gbps", "busbw_gbps", "world_size", "backend"}
+DEFAULT_SIZES = [4096 * 2**k for k in range(15)]  # 4 KiB .. 64 MiB, doubling
 
 
 def run_lab1(*args, nproc=2, timeout_s=120):
@@ -30,16 +38,35 @@ def read_json(path):
         return json.load(file)
 
 
-@pytest.mark.timeout(120)
-def test_every_collective_passes_and_the_results_are_the_expected_ones(tmp_path):
-    result = run_lab1("--checks-json", tmp_path / "checks.json")
+def load_lab1():
+    """The lab script as a module, to test its pure functions in this process (no torchrun)."""
+    spec = importlib.util.spec_from_file_location("lab1_collectives", LAB1)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """One job as the lab sheet runs it: every check, then the default sweep with its JSON and plot."""
+    out = tmp_path_factory.mktemp("lab1")
+    result = run_lab1(
+        "--checks-json", out / "checks.json", "--bench", "--json", out / "bench.json", "--plot", out / "bench.png",
+        timeout_s=200,
+    )  # fmt: skip
+    return result, out
+
+
+@pytest.mark.timeout(240)
+def test_every_collective_passes_and_the_results_are_the_expected_ones(full_run):
+    result, out = full_run
     assert result.ok, result.describe()
     assert verdicts(result.stdout) == {name: "PASS" for name in COLLECTIVES}, result.describe()
     assert "10/10 collectives passed" in result.stdout
 
     # The lab's own verdicts, checked again from outside with numbers written out by hand:
     # rank 0 contributes [100, 101, 102, 103], rank 1 [200, 201, 202, 203].
-    checks = read_json(tmp_path / "checks.json")
+    checks = read_json(out / "checks.json")
     assert checks["world_size"] == 2 and checks["backend"] == "gloo"
     assert checks["inputs"] == [[100, 101, 102, 103], [200, 201, 202, 203]]
     outputs = {name: record["outputs"] for name, record in checks["collectives"].items()}
@@ -53,6 +80,27 @@ def test_every_collective_passes_and_the_results_are_the_expected_ones(tmp_path)
     assert outputs["reduce_scatter"] == [[300, 302], [304, 306]]  # rank r holds chunk r of the sum
     assert outputs["send_recv_ring"] == [[200, 201, 202, 203], [100, 101, 102, 103]]  # from rank r-1
     assert {record["status"] for record in checks["collectives"].values()} == {"PASS"}
+
+
+@pytest.mark.timeout(240)
+def test_the_barrier_check_measures_each_ranks_own_wait(full_run):
+    """Each rank times its wait on its own clock: rank 0 waited for the late rank 1, which did not wait."""
+    result, out = full_run
+    assert result.ok, result.describe()
+    (rank0_wait,), (rank1_wait,) = read_json(out / "checks.json")["collectives"]["barrier"]["outputs"]
+    # Rank 1 slept 0.2 s before the barrier; half of that separates "waited" from "did not".
+    assert rank0_wait >= 0.1 and rank1_wait < 0.1, (rank0_wait, rank1_wait)
+
+
+@pytest.mark.timeout(30)
+def test_the_barrier_verdict_fails_when_an_early_rank_did_not_wait():
+    """Negative controls for check_barrier's verdict: a barrier that lets ranks through must FAIL."""
+    barrier_held = load_lab1().barrier_held
+    assert barrier_held([0.21, 0.003], late_rank=1)
+    assert barrier_held([0.20, 0.25, 0.001], late_rank=2)
+    assert not barrier_held([0.002, 0.001], late_rank=1)  # nobody waited: the barrier did not hold
+    assert not barrier_held([0.21, 0.002, 0.001], late_rank=2)  # rank 1 left without waiting
+    assert not barrier_held([0.21, 0.20], late_rank=1)  # the late rank waited too: it was not the last
 
 
 @pytest.mark.timeout(120)
@@ -80,29 +128,37 @@ def assert_well_formed(records, sizes, world_size=2):
         assert math.isclose(record["busbw_gbps"], record["algbw_gbps"] * 2 * (world_size - 1) / world_size, rel_tol=1e-12)
 
 
-@pytest.mark.timeout(120)
-def test_bench_writes_one_record_per_requested_size_and_a_plot(tmp_path):
-    result = run_lab1(
-        "--bench", "--min-bytes", "4K", "--max-bytes", "256K", "--factor", "4", "--warmup", "1", "--iters", "3",
-        "--json", tmp_path / "bench.json", "--plot", tmp_path / "bench.png",
-    )  # fmt: skip
-    assert result.ok, result.describe()
-    assert_well_formed(read_json(tmp_path / "bench.json"), [4096, 16384, 65536, 262144])
-    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    table_rows = re.findall(r"^ +([\d,]+) +[\d.]+ +[\d.]+ +[\d.]+$", result.stdout, flags=re.MULTILINE)
-    assert [int(row.replace(",", "")) for row in table_rows] == [4096, 16384, 65536, 262144], result.describe()
-
-
 @pytest.mark.timeout(240)
-def test_default_sweep_goes_from_4_kib_to_64_mib_well_under_a_minute(tmp_path):
-    result = run_lab1("--bench", "--json", tmp_path / "bench.json", timeout_s=200)
+def test_default_sweep_goes_from_4_kib_to_64_mib_with_a_table_and_a_plot(full_run):
+    result, out = full_run
     assert result.ok, result.describe()
-    assert_well_formed(read_json(tmp_path / "bench.json"), [4096 * 2**k for k in range(15)])  # 4 KiB .. 64 MiB
-    # Not a timing assertion: a bound against hangs and runaway sweeps (about 10 s on an idle 2-core CPU).
-    assert result.wall_s < 120, result.describe()
+    assert_well_formed(read_json(out / "bench.json"), DEFAULT_SIZES)
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table_rows = re.findall(r"^ +([\d,]+) +[\d.]+ +[\d.]+ +[\d.]+$", result.stdout, flags=re.MULTILINE)
+    assert [int(row.replace(",", "")) for row in table_rows] == DEFAULT_SIZES, result.describe()
+    assert "3 warm-up + 20 timed calls per size, median of the slowest rank's times" in result.stdout
+    assert "nccl-tests" not in result.stdout  # the note on host-side overhead is for NCCL runs only
+    # Not a timing assertion: a bound against hangs and runaway sweeps (checks and sweep together
+    # take well under half a minute on an idle 2-core CPU).
+    assert result.wall_s < 150, result.describe()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
+def test_message_sizes_follow_min_max_and_factor():
+    """The sweep's sizes, in-process: --min-bytes times --factor up to --max-bytes; defaults per device."""
+    lab1 = load_lab1()
+
+    def sizes(*argv, device="cpu"):
+        return lab1.message_sizes(lab1.parse_args(["--bench", *argv]), device)
+
+    assert sizes("--min-bytes", "4K", "--max-bytes", "256K", "--factor", "4") == [4096, 16384, 65536, 262144]
+    assert sizes("--min-bytes", "4K", "--max-bytes", "300K", "--factor", "4") == [4096, 16384, 65536, 262144]
+    assert sizes("--min-bytes", "1M", "--max-bytes", "1M") == [2**20]
+    assert sizes() == DEFAULT_SIZES  # the CPU default: up to 64 MiB
+    assert sizes(device="cuda")[-1] == 2**30  # the GPU default: up to 1 GiB
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -113,10 +169,29 @@ def test_default_sweep_goes_from_4_kib_to_64_mib_well_under_a_minute(tmp_path):
         (["--iters", "0"], r"--iters: must be a positive integer"),
         (["--json", "out.json"], r"--json and --plot record the benchmark: add --bench"),
         (["--backend", "mpi"], r"invalid choice: 'mpi'"),
-        (["--corrupt-rank", "2"], r"--corrupt-rank 2: there is no such rank \(0\.\.1\)"),
     ],
 )
-def test_bad_flags_fail_with_one_line(args, expected):
+def test_bad_flags_fail_with_one_line(args, expected, capsys):
+    """The script's own parse_args, in this process: exit status 2 and one clear error line.
+
+    Any other exception (a traceback for a user mistake) or a different message fails the test.
+    """
+    with pytest.raises(SystemExit) as exit_info:
+        load_lab1().parse_args(args)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lab1_collectives.py: error:")]
+    assert len(errors) == 1 and re.search(expected, errors[0]), errors
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--min-bytes", "3"], r"--min-bytes: must be a multiple of 4 bytes"),  # argparse, on every rank
+        (["--corrupt-rank", "2"], r"--corrupt-rank 2: there is no such rank \(0\.\.1\)"),  # after the set-up
+    ],
+)
+def test_bad_flags_under_torchrun_print_one_line_for_the_job(args, expected):
     result = run_lab1(*args)
     assert not result.timed_out and result.returncode != 0, result.describe()
     script_errors = [line for line in result.stderr.splitlines() if line.startswith("lab1_collectives.py: error:")]
