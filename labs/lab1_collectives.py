@@ -16,8 +16,9 @@ float32 values 100(r+1) + [0, 1, ...], so every rank can work out what each coll
 return. With --bench, rank 0 then prints one row per message size: the time of one all-reduce
 (the median over --iters timed calls of the slowest rank's time), algbw = bytes / time and
 busbw = algbw x 2(N-1)/N, as NVIDIA's nccl-tests define them (doc/PERFORMANCE.md). Two gloo ranks
-on a 2-core CPU reach roughly 0.5-2 GB/s busbw; busbw often peaks around 1-2 MiB, where gloo's
-buffers and socket copies still fit in the CPU caches, and settles lower beyond (memory-bound).
+on a 2-core CPU reach roughly 0.5-2 GB/s busbw. Depending on the machine, busbw either keeps
+rising to 64 MiB or peaks around 1-2 MiB, where gloo's buffers and socket copies still fit in the
+CPU caches, and settles lower beyond (memory-bound): estimate large all-reduces from the largest sizes.
 
 On GPUs (NCCL; not run by this course's tests, which have no GPU) each timed call is a Python
 call, a c10d work object and a kernel launch, then a synchronize: rows below about 1 MiB measure
