@@ -68,7 +68,16 @@ def _write_line(stream, line: str) -> None:
 
 
 def choose_backend(requested: str, local_world_size: int) -> str:
-    """Resolve --backend: NCCL needs one GPU per process on this node, gloo runs anywhere."""
+    """Resolve --backend on this node: NCCL needs one GPU per process on this node, gloo runs anywhere.
+
+    With `auto` on a node that has GPUs but fewer than processes (say 1 GPU, 2 processes), the
+    node falls back to gloo and says why. Across nodes, setup_distributed() makes the choice
+    job-wide (job_backend).
+
+    SLURM: `cuda:LOCAL_RANK` assumes every process of a node sees all its GPUs. Start one task per
+    node that runs torchrun (the README's script); with --gpus-per-task=1 each task sees one GPU
+    numbered 0, and cuda:1... do not exist.
+    """
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "gloo":
         return "gloo"
@@ -94,19 +103,53 @@ def choose_backend(requested: str, local_world_size: int) -> str:
     return "gloo"
 
 
+def job_backend(choices: list[str]) -> str:
+    """One backend for the whole job from every rank's own choice: NCCL only if every rank can use it.
+
+    Ranks that initialise different backends never meet (the rendezvous fails or hangs), so a job
+    where any node can only run gloo (no GPU, or fewer GPUs than processes) runs gloo everywhere.
+    """
+    return "nccl" if all(choice == "nccl" for choice in choices) else "gloo"
+
+
+def agree_on_backend(store, rank: int, world_size: int, my_choice: str, timeout: timedelta) -> tuple[str, list[int]]:
+    """Every rank posts its own choice in the job's store and reads everyone's; returns the job's
+    backend (job_backend) and the ranks that could not use NCCL. Every rank gets the same answer."""
+    # The restart count keeps the keys of a restarted job (torchrun --max-restarts) apart from the last attempt's.
+    prefix = f"ddp_course/backend/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    store.set(f"{prefix}{rank}", my_choice)
+    keys = [f"{prefix}{r}" for r in range(world_size)]
+    store.wait(keys, timeout)
+    choices = [store.get(key).decode() for key in keys]
+    return job_backend(choices), [r for r, choice in enumerate(choices) if choice != "nccl"]
+
+
 def setup_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistContext:
     """Join the process group torchrun prepared (or form a one-process group) and pick the device.
 
     Pair every call with teardown_distributed() in a `finally`. timeout_s bounds every collective:
     a rank that never arrives makes the others fail after timeout_s instead of hanging forever.
+
+    --backend auto is decided for the whole job: on one node every rank sees the same GPUs and
+    reaches the same choice; across nodes (WORLD_SIZE != LOCAL_WORLD_SIZE) the nodes may differ,
+    so the ranks agree through torchrun's store before creating the group (agree_on_backend).
     """
     launched_by_torchrun = "RANK" in os.environ
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    timeout = timedelta(seconds=timeout_s)
 
     resolved = choose_backend(backend, local_world_size)
+    store = None
+    if launched_by_torchrun and backend == "auto" and world_size != local_world_size:
+        # The same rendezvous init_process_group("env://") makes, done first so that we can use its store.
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        resolved, without_nccl = agree_on_backend(store, rank, world_size, resolved, timeout)
+        if resolved == "gloo" and len(without_nccl) < world_size:
+            log(f"note: ranks {without_nccl} cannot use NCCL on their node, so the whole job uses gloo on the CPU")
     if resolved == "nccl":
         # The device comes from LOCAL_RANK, never from RANK: on node 1 of a 2x8 job RANK is 8..15.
         device = torch.device("cuda", local_rank)
@@ -114,10 +157,13 @@ def setup_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistCo
     else:
         device = torch.device("cpu")
 
-    options = {"backend": resolved, "timeout": timedelta(seconds=timeout_s)}
+    options = {"backend": resolved, "timeout": timeout}
     if resolved == "nccl":
         options["device_id"] = device  # binds the group to this GPU (no guessing at the first barrier)
-    if launched_by_torchrun:
+    if store is not None:
+        # As init_process_group does with the store of its own rendezvous.
+        dist.init_process_group(store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size, **options)
+    elif launched_by_torchrun:
         dist.init_process_group(**options)  # reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
     else:
         # An in-memory store: a group of one needs no network port.

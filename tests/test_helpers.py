@@ -111,6 +111,41 @@ def test_impossible_backend_requests_are_course_errors(monkeypatch, gpus, local_
         distributed.choose_backend(requested, local_world_size)
 
 
+@pytest.mark.parametrize(
+    ("choices", "expected"),
+    [(["nccl", "nccl"], "nccl"), (["nccl", "gloo"], "gloo"), (["gloo", "nccl"], "gloo"), (["gloo", "gloo"], "gloo")],
+)
+def test_the_job_uses_nccl_only_when_every_rank_can(choices, expected):
+    assert distributed.job_backend(choices) == expected
+
+
+def test_nodes_with_different_gpus_agree_on_one_backend(monkeypatch):
+    """Review finding 20: node 0 has 8 GPUs for its 8 processes, node 1 has none; `auto` alone would
+    give node 0 NCCL and node 1 gloo. Through a shared store both ranks reach gloo."""
+    import threading
+    from datetime import timedelta
+
+    # Each node's own verdict, with the device counts that node reports.
+    fake_gpus(monkeypatch, 8)
+    node0_choice = distributed.choose_backend("auto", local_world_size=8)
+    fake_gpus(monkeypatch, 0)
+    node1_choice = distributed.choose_backend("auto", local_world_size=1)
+    assert (node0_choice, node1_choice) == ("nccl", "gloo")  # what `auto` per node would have mixed
+
+    store = dist.HashStore()  # stands in for torchrun's TCP store, shared by every rank
+    answers = {}
+
+    def rank_main(rank, my_choice):
+        answers[rank] = distributed.agree_on_backend(store, rank, 2, my_choice, timedelta(seconds=10))
+
+    ranks = [threading.Thread(target=rank_main, args=(0, node0_choice)), threading.Thread(target=rank_main, args=(1, node1_choice))]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join(timeout=15)
+    assert answers == {0: ("gloo", [1]), 1: ("gloo", [1])}
+
+
 @pytest.mark.parametrize(("rank", "every_rank", "expected"), [("0", False, "hello\n"), ("1", False, ""), ("1", True, "[rank 1] hello\n")])
 def test_log_speaks_once_or_with_a_rank_prefix(monkeypatch, capsys, rank, every_rank, expected):
     monkeypatch.setenv("RANK", rank)

@@ -1,0 +1,106 @@
+"""benchmarks/gpu_smoke.py: its verdicts, lines and summary on recorded sample outputs, and its no-GPU exit."""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from ddp_course.launch import REPO_ROOT, RunResult, run_command
+
+SMOKE_PATH = REPO_ROOT / "benchmarks" / "gpu_smoke.py"
+
+
+def load_gpu_smoke():
+    spec = importlib.util.spec_from_file_location("gpu_smoke", SMOKE_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+smoke = load_gpu_smoke()
+LABS = {lab.name: lab for lab in smoke.LAB_RUNS}
+
+# Samples written from the labs' real --json files (CPU runs, 2 ranks), trimmed to the fields read.
+SAMPLES = {
+    "lab1": ("lab1.json", [
+        {"algbw_gbps": 0.0105, "backend": "nccl", "busbw_gbps": 0.0105, "bytes": 4096, "time_s": 0.00039, "world_size": 2},
+        {"algbw_gbps": 141.3, "backend": "nccl", "busbw_gbps": 141.3, "bytes": 4194304, "time_s": 2.97e-05, "world_size": 2},
+        {"algbw_gbps": 0.154, "backend": "nccl", "busbw_gbps": 0.154, "bytes": 65536, "time_s": 0.00043, "world_size": 2},
+    ], "busbw 141.30 GB/s at 4 MiB"),
+    "lab2_sampler": ("lab2.json", {"backend": "nccl", "checks": {"coverage": True, "disjoint": True, "split": True}},
+                     "3/3 sampler checks passed"),
+    "lab2_join": ("join.json", {"eval_accuracy": 0.8050139546394348, "join": True, "same_weights_on_every_rank": True,
+                                "steps_per_rank": [15, 30], "world_size": 2},
+                  "steps per rank [15, 30], identical weights, accuracy 80.5%"),
+    "lab3": ("lab3.json", {"backend": "nccl", "eval_accuracy": 0.9303621169916435, "steps": 12}, "held-out accuracy 93.0%"),
+    "lab4_solution": ("lab4.json", {"backend": "nccl", "eval_accuracy": 0.09749303621169916}, "held-out accuracy 9.7%"),
+    "lab5": ("lab5.json", {"backend": "nccl", "comm_fraction": 0.4784563600866918, "samples_per_s": 19.711300798215827},
+             "20 samples/s, comm fraction 0.48"),
+}  # fmt: skip
+
+
+def finished(returncode=0, stderr="", wall_s=12.5, timed_out=False):
+    return RunResult(command=["torchrun"], returncode=returncode, stdout="", stderr=stderr, wall_s=wall_s, timed_out=timed_out)
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_a_lab_that_ran_passes_with_its_key_figure(tmp_path, name):
+    file_name, content, figure = SAMPLES[name]
+    (tmp_path / file_name).write_text(json.dumps(content))
+    outcome = smoke.judge(LABS[name], finished(), tmp_path)
+    assert outcome == smoke.Outcome(name, True, 12.5, figure)
+    assert smoke.format_line(outcome) == f"PASS  {name:<18}   12.5 s  {figure}"
+
+
+def test_every_lab_in_the_table_has_a_sample():
+    cpu_labs = {lab.name for lab in smoke.LAB_RUNS if not lab.gpu_only}
+    assert cpu_labs == set(SAMPLES)
+    assert {lab.script for lab in smoke.LAB_RUNS} >= {"labs/lab1_collectives.py", "labs/lab2_sampler.py", "labs/lab2_join.py",
+                                                      "labs/lab3_ddp.py", "solutions/lab4_broken_ddp.py", "labs/lab5_scaling.py"}
+
+
+def test_a_failed_check_fails_the_lab_even_with_exit_status_0(tmp_path):
+    (tmp_path / "lab2.json").write_text(json.dumps({"checks": {"coverage": True, "disjoint": False}}))
+    outcome = smoke.judge(LABS["lab2_sampler"], finished(), tmp_path)
+    assert not outcome.passed and outcome.detail == "ran, but checks failed: disjoint"
+
+
+def test_a_crashed_lab_fails_with_its_last_error_line(tmp_path):
+    stderr = (
+        "[rank1]: Traceback (most recent call last):\n"
+        "[rank1]:   File \"labs/lab5_scaling.py\", line 170, in gather_from_every_rank\n"
+        "[rank1]: torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3690, invalid argument\n"
+        "E1123 12:00:00.000000 123 api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 4242) of binary: python\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    )
+    outcome = smoke.judge(LABS["lab5"], finished(returncode=1, stderr=stderr), tmp_path)
+    assert not outcome.passed
+    assert outcome.detail == "exit status 1: torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"
+
+
+def test_a_lab_that_timed_out_fails(tmp_path):
+    outcome = smoke.judge(LABS["lab2_join"], finished(returncode=None, wall_s=300.2, timed_out=True), tmp_path)
+    assert outcome == smoke.Outcome("lab2_join", False, 300.2, "timed out after 300 s")
+    assert smoke.format_line(outcome) == "FAIL  lab2_join           300.2 s  timed out after 300 s"
+
+
+def test_a_lab_without_its_json_fails(tmp_path):
+    outcome = smoke.judge(LABS["lab3"], finished(), tmp_path)
+    assert not outcome.passed and outcome.detail == "ran, but no readable lab3.json (FileNotFoundError)"
+
+
+def test_summary_counts_and_exit_status():
+    ok, bad = smoke.Outcome("lab1", True, 1.0, "x"), smoke.Outcome("lab3", False, 2.0, "timed out after 300 s")
+    assert smoke.summary([ok, ok]) == ("2 passed, 0 failed", 0)
+    assert smoke.summary([ok, bad]) == ("1 passed, 1 failed", 1)
+    assert smoke.summary([]) == ("0 passed, 0 failed", 1)  # nothing ran: not a success
+
+
+@pytest.mark.timeout(120)
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
+    # run_command hides the GPUs, so this holds on a GPU machine too.
+    result = run_command([sys.executable, str(SMOKE_PATH)], timeout_s=90)
+    assert result.ok, result.describe()
+    assert result.stdout.splitlines() == ["gpu_smoke: no CUDA GPU is visible on this machine; nothing to run (pytest covers the CPU/gloo path)"]
