@@ -196,7 +196,12 @@ def test_digits_split_is_fixed_disjoint_and_standardized():
     assert (len(splits.train), len(splits.test)) == (1438, 359)
     assert train_images.shape[1:] == (1, 8, 8) and train_labels.dtype == torch.long
     assert set(train_labels.tolist()) == set(range(10))
-    assert abs(train_images.mean().item()) < 1e-5 and abs(train_images.std().item() - 1) < 1e-4
+    # Standardized in float32 with float32 statistics of 92,032 values: torch sums in blocks, so
+    # each statistic is off by tens of float32 eps at most, on any CPU kernel. Checked in float64 so
+    # the check adds no rounding of its own; 100 eps (1.2e-5) and 1000 eps (1.2e-4) leave a margin.
+    eps = torch.finfo(torch.float32).eps
+    assert abs(train_images.double().mean().item()) < 100 * eps
+    assert abs(train_images.double().std().item() - 1) < 1000 * eps
     # Disjoint: no held-out image also appears in the training split.
     train_rows = {tuple(row.tolist()) for row in train_images.flatten(1)}
     overlap = sum(tuple(row.tolist()) in train_rows for row in test_images.flatten(1))
