@@ -163,7 +163,9 @@ def gather_from_every_rank(ctx, values: list[float]) -> list[torch.Tensor]:
     """all_gather of a few numbers: one float64 tensor per rank, in rank order, on this rank's device.
 
     The input AND every tensor of the output list live on ctx.device: NCCL moves only GPU memory,
-    and an output list left on the CPU would hand it host pointers (a crash, not an error message).
+    and an output list left on the CPU would hand it host memory (expected to crash the job, by
+    reading c10d's NCCL code; never run here, the course has no GPU). tests/test_lab5_scaling.py
+    checks the devices on a fake "meta" rank.
     """
     mine = torch.tensor(values, dtype=torch.float64, device=ctx.device)
     every_rank = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
@@ -314,7 +316,8 @@ def main(args) -> int:
             return run_sweep(args)
         ctx = setup_distributed(args.backend, timeout_s=args.timeout_s)
         record = measure(ctx, args)  # returns plain numbers: the DDP model is out of reach now
-        log(format_table([record], ["config", "world_size", "per_rank_batch", "samples_per_s", "step_time_s", "step_time_no_sync_s", "comm_fraction"]))
+        columns = ["config", "world_size", "per_rank_batch", "samples_per_s", "step_time_s", "step_time_no_sync_s", "comm_fraction"]
+        log(format_table([record], columns))
         if args.json and ctx.is_main:
             atomic_write_json(record, args.json)
         return 0
