@@ -40,9 +40,12 @@ def test_the_hang_demo_runs_on_gloo_unless_nccl_is_asked_for():
 def test_without_join_every_rank_says_where_it_stopped(tmp_path):
     result = run_torchrun(LAB2_JOIN, ["--timeout-s", "3", "--json", tmp_path / "r.json"], nproc=2)
     assert not result.timed_out and result.returncode != 0, result.describe()
-    assert result.wall_s < 60, result.describe()
     stopped = dict(re.findall(r"^\[rank (\d)\] stopped (.*)$", result.stdout, flags=re.MULTILINE))
     assert stopped.keys() == {"0", "1"}, result.describe()
+    # The job ended by its own 3 s timeout, not a hang: a fact in the output rather than a wall-clock
+    # bound that a loaded machine can break. One rank reports the timeout; the other may report it
+    # too or see its peer close the connection.
+    assert any("Timed out waiting 3000ms" in reason for reason in stopped.values()), result.describe()
     # Rank 0 has 15 batches and waits at the barrier; rank 1 waits in the all-reduce of its step 16.
     assert stopped["0"].startswith("at the end-of-epoch barrier (of 15 batches)"), result.describe()
     assert stopped["1"].startswith("in the gradient all-reduce of step 16 (of 30 batches)"), result.describe()

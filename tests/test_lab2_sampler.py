@@ -134,18 +134,38 @@ def test_checks_accept_torch_shards_and_reject_broken_ones():
     assert not verdict["set_epoch"] and verdict["disjoint"] and verdict["coverage"]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
         (["--dataset-size", "0"], r"--dataset-size: must be a positive integer"),
         (["--epochs", "1"], r"--epochs must be 2 or more"),
-        (["--eval-size", "400"], r"--eval-size must be at most 359"),
         (["--bug", "typo"], r"argument --bug: invalid choice: 'typo'"),
         (["--timeout-s", "-1"], r"--timeout-s: must be a positive number"),
     ],
 )
-def test_bad_flags_fail_with_one_line(args, expected):
+def test_bad_flags_fail_with_one_line(args, expected, capsys):
+    """The script's own parse_args, in this process: exit status 2 and one clear error line.
+
+    Any other exception (a traceback for a user mistake) or a different message fails the test;
+    the launch below proves that under torchrun the line is printed once for the job.
+    """
+    with pytest.raises(SystemExit) as exit_info:
+        load_lab2_module().parse_args(args)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lab2_sampler.py: error:")]
+    assert len(errors) == 1 and re.search(expected, errors[0]), errors
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--epochs", "1"], r"--epochs must be 2 or more"),  # argparse, on every rank
+        (["--eval-size", "400"], r"--eval-size must be at most 359"),  # after the set-up, on every rank
+    ],
+)
+def test_bad_flags_under_torchrun_print_one_line_for_the_job(args, expected):
     result = run_lab2(*args)
     assert not result.timed_out and result.returncode != 0, result.describe()
     errors = [line for line in result.stderr.splitlines() if line.startswith("lab2_sampler.py: error:")]
