@@ -222,7 +222,9 @@ def test_detail_mode_names_each_ranks_collective_in_the_minimal_hang():
     """The sheet's reproduction: with DETAIL both ranks stop at once, each naming its own collective."""
     minimal = REPO_ROOT / "labs" / "lab4_minimal_hang.py"
     result = run_torchrun(minimal, [], nproc=2, timeout_s=120, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
-    assert result.returncode == 1 and result.wall_s < 30, result.describe()
+    # Stopped by DETAIL's check, not by the 30 s timeout: a fact about the output, not the clock (on a
+    # loaded machine the start-up alone can take many seconds).
+    assert result.returncode == 1 and "Timed out" not in result.stdout + result.stderr, result.describe()
     assert "the default group's gloo backend is a _ProcessGroupWrapper" in result.stdout
     own_collective = re.compile(r"^\[rank (\d)\] Detected mismatch between collectives on ranks\. Rank \1 is running "
                                 r"collective: CollectiveFingerPrint\(SequenceNumber=2,? ?OpType=(\w+)", re.MULTILINE)
