@@ -304,9 +304,11 @@ def test_every_rank_evaluates_with_rank_0s_batchnorm_statistics(tmp_path):
 
 
 def assert_one_clear_error(result, expected):
-    """Non-zero exit within seconds, one error line from the script, no traceback from the script."""
+    """Non-zero exit, soon, one error line from the script, no traceback from the script."""
     assert not result.timed_out and result.returncode != 0, result.describe()
-    assert result.wall_s < 30, result.describe()
+    # A rank stuck in a collective would wait for --timeout-s (300 s). A quick failure takes a few
+    # seconds on a quiet machine; 90 s leaves room for a loaded one (39 s seen with 16 jobs on 2 cores).
+    assert result.wall_s < 90, result.describe()
     script_errors = [line for line in result.stderr.splitlines() if line.startswith("lab3_ddp.py: error:")]
     assert len(script_errors) == 1, result.describe()
     assert re.search(expected, script_errors[0]), result.describe()
