@@ -35,14 +35,10 @@ class DatasetSplits:
     num_classes: int
 
 
-def load_dataset(
-    name: str, data_dir: str | Path = "data", local_rank: int | None = None, download_timeout_s: float | None = None
-) -> DatasetSplits:
+def load_dataset(name: str, data_dir: str | Path = "data", download_timeout_s: float | None = None) -> DatasetSplits:
     """The train and held-out splits of a dataset named in DATASETS.
 
     Under torchrun every rank must call it (CIFAR-10's preparation is collective, see load_cifar10).
-    local_rank is no longer used: it is accepted so that the older call
-    load_dataset(name, data_dir, ctx.local_rank) keeps working.
     """
     if name == "digits":
         return load_digits()
@@ -74,7 +70,7 @@ def load_digits() -> DatasetSplits:
     )
 
 
-def load_cifar10(root: Path, local_rank: int | None = None, download_timeout_s: float | None = None) -> DatasetSplits:
+def load_cifar10(root: Path, download_timeout_s: float | None = None) -> DatasetSplits:
     """CIFAR-10 from root; when any rank lacks it, global rank 0 downloads it, once for the whole job.
 
     Every rank runs the same collectives, whatever it finds on disk, so none is left waiting in a
@@ -96,8 +92,7 @@ def load_cifar10(root: Path, local_rank: int | None = None, download_timeout_s: 
     raising. So these collectives run on a separate gloo group whose timeout, download_timeout_s
     (DOWNLOAD_TIMEOUT_S by default), covers a download; gloo works on CPU tensors, so they stay on
     the CPU whatever the job's backend. (Multi-node clusters where gloo picks the wrong network
-    interface need GLOO_SOCKET_IFNAME, as for any gloo job.) local_rank is accepted for older calls
-    and not used.
+    interface need GLOO_SOCKET_IFNAME, as for any gloo job.)
     """
     group = _preparation_group(DOWNLOAD_TIMEOUT_S if download_timeout_s is None else download_timeout_s)
     splits = _cifar10_or_none(root)

@@ -138,7 +138,7 @@ def evaluate(model, loader, ctx) -> tuple[int, int]:
 def train(ctx, args) -> dict:
     if args.amp and ctx.device.type != "cuda":
         raise CourseError("--amp needs a CUDA GPU (bf16 or fp16 autocast); on the CPU run without --amp")
-    splits = load_dataset(args.dataset, args.data_dir, ctx.local_rank)
+    splits = load_dataset(args.dataset, args.data_dir)  # every rank calls it: CIFAR-10's preparation is collective
     model_name = MODEL_FOR_DATASET[args.dataset]
     seed_everything(args.seed)  # same seed on every rank: identical initial weights
     model = build_model(model_name, splits.num_classes).to(ctx.device)

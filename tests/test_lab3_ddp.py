@@ -272,7 +272,7 @@ BUFFER_CHECK = textwrap.dedent(
     """
     import importlib.util, sys
     import torch, torch.distributed as dist
-    from ddp_course.distributed import setup_distributed, teardown_distributed
+    from ddp_course.distributed import log, setup_distributed, teardown_distributed
 
     spec = importlib.util.spec_from_file_location("lab3_ddp", sys.argv[1])
     lab3 = importlib.util.module_from_spec(spec)
@@ -283,7 +283,8 @@ BUFFER_CHECK = textwrap.dedent(
     model.running_mean.fill_(ctx.rank + 1.0)
     model.num_batches_tracked.fill_(10 + ctx.rank)
     lab3.copy_rank0_buffers(model)
-    print(f"rank {ctx.rank}: mean {model.running_mean.tolist()} batches {int(model.num_batches_tracked)}", flush=True)
+    # log() writes each line in one write: two ranks' print() calls can interleave on the shared pipe.
+    log(f"mean {model.running_mean.tolist()} batches {int(model.num_batches_tracked)}", every_rank=True)
     del model
     teardown_distributed()
     """
@@ -296,8 +297,8 @@ def test_every_rank_evaluates_with_rank_0s_batchnorm_statistics(tmp_path):
     script.write_text(BUFFER_CHECK)
     result = run_torchrun(script, [LAB3], nproc=2, timeout_s=90)
     assert result.ok, result.describe()
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
-    assert lines == ["rank 0: mean [1.0, 1.0, 1.0, 1.0] batches 10", "rank 1: mean [1.0, 1.0, 1.0, 1.0] batches 10"]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("[rank "))
+    assert lines == ["[rank 0] mean [1.0, 1.0, 1.0, 1.0] batches 10", "[rank 1] mean [1.0, 1.0, 1.0, 1.0] batches 10"]
 
 
 # --- user mistakes: one clear line, a non-zero exit, no traceback ------------------------------------

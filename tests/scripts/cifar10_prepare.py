@@ -67,8 +67,8 @@ try:
         dist.barrier()  # the scenario's disk is ready before any rank looks
         current.update(name=name, download_works=settings["download_works"], shared_disk=settings["shared_disk"])
         try:
-            # local_rank=0: each rank is the only process of its simulated node.
-            data.load_dataset("cifar10", root, 0)
+            # Each rank plays the only process of its own simulated node (local rank 0 everywhere).
+            data.load_dataset("cifar10", root)
             outcome = "ok"
         except CourseError as error:
             outcome = f"CourseError: {error}"
