@@ -41,7 +41,7 @@ def test_only_the_cell_that_depends_on_the_numerics_settings_is_reported(tmp_pat
     nbformat.write(notebook_printing("import os\nprint(os.environ.get('OMP_NUM_THREADS'))", "2\n"), depends)
     exact = tmp_path / "exact.ipynb"
     nbformat.write(notebook_printing("print(sum(range(10)))", "45\n"), exact)
-    assert portability.main([str(depends), str(exact), "--variant", "threads1"]) == 1
+    assert portability.main([str(depends), str(exact), "--variant", "one-thread"]) == 1
     changed = [line for line in capsys.readouterr().out.splitlines() if "CHANGED" in line]
     assert len(changed) == 1 and "depends_on_threads" in changed[0] and "Cell 0" in changed[0]
 
