@@ -13,6 +13,7 @@ GPUs the caller sees.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -182,3 +183,17 @@ def _descendant_pids(root_pid: int) -> list[int]:
         found.extend(children)
         frontier.extend(children)
     return found
+
+
+def import_script(path: str | Path, name: str | None = None):
+    """Import a lab or benchmark script as a module, to call its functions in this process.
+
+    Its `if __name__ == "__main__":` block does not run, so nothing is launched. The module is
+    registered in sys.modules under its name, as a normal import would be (dataclasses look it up there).
+    """
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -10,6 +10,9 @@ from the saved file, and prints how long it took (lecture notebooks should stay 
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import sys
 import time
 from pathlib import Path
@@ -37,6 +40,42 @@ def execute_in_place(path: str | Path, timeout_s: int = 600) -> float:
         cell.metadata.pop("execution", None)  # timestamps stored by earlier runs
     nbformat.write(notebook, path)
     return elapsed
+
+
+def code_cell_sources(path: str | Path) -> list[str]:
+    """The source of every code cell of a notebook, in order (a test reads exercises and checks this way)."""
+    cells = json.loads(Path(path).read_text())["cells"]
+    return ["".join(cell["source"]) for cell in cells if cell["cell_type"] == "code"]
+
+
+def run_source(source: str, namespace: dict) -> str:
+    """Execute a cell's source in namespace, as the kernel would, and return what it printed."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(source, "<notebook cell>", "exec"), namespace)
+    return printed.getvalue()
+
+
+def run_all_cells(path: str | Path) -> tuple[dict, dict[str, str]]:
+    """Run a notebook's code cells in order in one fresh namespace, as a kernel would.
+
+    Returns the namespace and {first line of each cell: what it printed}, so that a test can call
+    the notebook's functions (an exercise's check, say) and read its outputs.
+    """
+    namespace = {"__name__": Path(path).stem}
+    printed = {source.splitlines()[0]: run_source(source, namespace) for source in code_cell_sources(path)}
+    return namespace, printed
+
+
+@contextlib.contextmanager
+def replaced(namespace: dict, **replacements):
+    """Swap some names of a namespace (a solution for a wrong answer, say) for the block, then restore them."""
+    saved = {name: namespace[name] for name in replacements}
+    namespace.update(replacements)
+    try:
+        yield namespace
+    finally:
+        namespace.update(saved)
 
 
 def main(paths: list[str]) -> int:

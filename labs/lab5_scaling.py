@@ -22,10 +22,12 @@ mode keeps the MEDIAN of its repeats; the sweep runs every point in --rounds int
 keeps the FASTEST round (see run_sweep). So: median of repeats within a job, fastest of rounds
 across jobs.
 
-What you should see on a 2-core CPU: the sweep runs 8 short torchrun jobs and prints a table within
-a few minutes. compute_bound (a small CNN, 0.4 MB of gradients per step) keeps most of its per-rank
-throughput at 2 ranks (weak-scaling efficiency about 0.85-0.9); comm_bound (a wide MLP, 52 MB of
-gradients per step) loses more than half of it, and its comm_fraction says why. The sweep pins one
+What you should see on a 2-core CPU: the sweep runs 8 short torchrun jobs and prints a table in
+about a minute and a half (80-84 s in three sweeps on the course's 2-vCPU machine; machines of the
+same kind differ about 2x). compute_bound (a small CNN, 0.4 MB of gradients per step) keeps most of
+its per-rank throughput at 2 ranks (weak-scaling efficiency 0.87-0.98 in those sweeps); comm_bound
+(a wide MLP, 52 MB of gradients per step) loses about half of it (0.34-0.59: its short steps make
+it the noisier of the two), and its comm_fraction says why. The sweep pins one
 thread per rank (OMP_NUM_THREADS=1) so that 1 and 2 ranks compare fairly.
 """
 

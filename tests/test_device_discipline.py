@@ -8,25 +8,19 @@ would catch a CPU tensor in an NCCL call (review finding 1). The recorder itself
 a mixed-device call, since a CPU-only run cannot show it failing.
 """
 
-import importlib.util
 import re
-import sys
 
 import pytest
 import torch
 
-from ddp_course.launch import REPO_ROOT, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 
 RECORDER_PATH = REPO_ROOT / "tests" / "scripts" / "record_collectives.py"
 SUMMARY = re.compile(r"\[collectives rank (\d)\] calls (\d+) violations (\d+) ops (\S*)")
 
 
 def load_module(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return import_script(path, name)
 
 
 recorder = load_module("record_collectives", RECORDER_PATH)

@@ -1,22 +1,17 @@
 """benchmarks/gpu_smoke.py: its verdicts, lines and summary on recorded sample outputs, and its no-GPU exit."""
 
-import importlib.util
 import json
 import sys
 
 import pytest
 
-from ddp_course.launch import REPO_ROOT, RunResult, run_command
+from ddp_course.launch import REPO_ROOT, RunResult, import_script, run_command
 
 SMOKE_PATH = REPO_ROOT / "benchmarks" / "gpu_smoke.py"
 
 
 def load_gpu_smoke():
-    spec = importlib.util.spec_from_file_location("gpu_smoke", SMOKE_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return import_script(SMOKE_PATH)
 
 
 smoke = load_gpu_smoke()

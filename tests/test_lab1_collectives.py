@@ -6,14 +6,13 @@ need no process group run the script's own parse_args in this process; two launc
 under torchrun a mistake is reported once for the job, without a traceback.
 """
 
-import importlib.util
 import json
 import math
 import re
 
 import pytest
 
-from ddp_course.launch import REPO_ROOT, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 
 LAB1 = REPO_ROOT / "labs" / "lab1_collectives.py"
 COLLECTIVES = [
@@ -40,10 +39,7 @@ def read_json(path):
 
 def load_lab1():
     """The lab script as a module, to test its pure functions in this process (no torchrun)."""
-    spec = importlib.util.spec_from_file_location("lab1_collectives", LAB1)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script(LAB1)
 
 
 @pytest.fixture(scope="module")

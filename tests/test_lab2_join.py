@@ -1,21 +1,17 @@
 """labs/lab2_join.py: DDP on uneven inputs hangs until the timeout without Join, and finishes with it."""
 
-import importlib.util
 import re
 
 import pytest
 
-from ddp_course.launch import REPO_ROOT, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 
 LAB2_JOIN = REPO_ROOT / "labs" / "lab2_join.py"
 TRAIN_DIGITS = 1438
 
 
 def load_module():
-    spec = importlib.util.spec_from_file_location("lab2_join", LAB2_JOIN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script(LAB2_JOIN)
 
 
 @pytest.mark.timeout(30)

@@ -1,6 +1,5 @@
 """labs/lab2_sampler.py launched as a learner launches it (torchrun, gloo ranks on the CPU), and its checks."""
 
-import importlib.util
 import json
 import math
 import re
@@ -10,7 +9,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from ddp_course.data import load_digits
-from ddp_course.launch import REPO_ROOT, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 from ddp_course.models import DigitsCNN
 
 LAB2 = REPO_ROOT / "labs" / "lab2_sampler.py"
@@ -23,10 +22,7 @@ def run_lab2(*args, nproc=2, timeout_s=120):
 
 def load_lab2_module():
     """The lab script as a module, to test its check functions in this process (no torchrun)."""
-    spec = importlib.util.spec_from_file_location("lab2_sampler", LAB2)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script(LAB2)
 
 
 def torch_shards(n, world_size, seed, epoch, drop_last=False):

@@ -5,7 +5,6 @@ cleanly (a failed launch is a setup error, which pytest.ini's rerun-on-exit-abor
 and several tests read the files and output of the same jobs.
 """
 
-import importlib.util
 import re
 import textwrap
 
@@ -14,7 +13,7 @@ import torch
 
 from ddp_course.checkpoint import list_checkpoints
 from ddp_course.compare import max_relative_difference
-from ddp_course.launch import REPO_ROOT, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 from ddp_course.models import DigitsCNN
 from ddp_course.seeding import seed_everything
 
@@ -44,10 +43,7 @@ def launch(run_lab3, *args, nproc=2):
 
 
 def import_lab3():
-    spec = importlib.util.spec_from_file_location("lab3_ddp", LAB3)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script(LAB3)
 
 
 # --- the default run: learning, progress lines, metrics, the saved model ---------------------------

@@ -7,13 +7,12 @@ solution and these tests cannot drift apart.
 """
 
 import ast
-import importlib.util
 import re
 import sys
 
 import pytest
 
-from ddp_course.launch import REPO_ROOT, run_command, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script, run_command, run_torchrun
 
 BROKEN = REPO_ROOT / "labs" / "lab4_broken_ddp.py"
 SOLUTION = REPO_ROOT / "solutions" / "lab4_broken_ddp.py"
@@ -95,11 +94,7 @@ def verdict_lines(output: str) -> dict[int, str]:
 @pytest.fixture(scope="module")
 def checker():
     """labs/lab4_check.py as a module: calling it in this process saves the checker's start-up."""
-    spec = importlib.util.spec_from_file_location("lab4_check", CHECKER)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return import_script(CHECKER)
 
 
 def check_in_process(checker, script, out_dir, rescue=True) -> tuple[object, dict[int, str]]:

@@ -11,7 +11,6 @@ parsing, the refusals, the interleaved rounds, the efficiencies, the plot, the d
 all_gather sees - runs in-process on the lab's own functions.
 """
 
-import importlib.util
 import json
 import re
 import sys
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 from ddp_course.cli import CourseError
-from ddp_course.launch import REPO_ROOT, run_command, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script, run_command, run_torchrun
 
 LAB5 = REPO_ROOT / "labs" / "lab5_scaling.py"
 FAST = ["--warmup-steps", "1", "--steps", "2", "--repeats", "1"]
@@ -40,10 +39,7 @@ def run_driver(*args, timeout_s=240):
 @pytest.fixture(scope="module")
 def lab5():
     """The lab script imported as a module (its main() only runs from the command line)."""
-    spec = importlib.util.spec_from_file_location("lab5_scaling", LAB5)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script(LAB5)
 
 
 @pytest.fixture(scope="module")

@@ -6,49 +6,27 @@ expects "not yet"; the lecture's stubs must make the checks say "not solved yet"
 cannot fail, or a solution that stops passing, turns a test red.
 """
 
-import contextlib
-import io
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ddp_course.launch import REPO_ROOT
+from ddp_course.notebooks import code_cell_sources, replaced, run_all_cells, run_source
 
 LECTURE = REPO_ROOT / "lectures" / "01_data_parallelism.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "01_data_parallelism_solutions.ipynb"
 
 
-def code_cells(path):
-    cells = json.loads(path.read_text())["cells"]
-    return ["".join(cell["source"]) for cell in cells if cell["cell_type"] == "code"]
-
-
-def run(source, namespace):
-    """Execute source in namespace; return what it printed."""
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(compile(source, "<notebook cell>", "exec"), namespace)
-    return printed.getvalue()
-
-
 @pytest.fixture(scope="module")
 def solved():
     """The solutions notebook's namespace after running every cell, and each cell's output."""
-    namespace = {"__name__": "solutions"}
-    outputs = {source.splitlines()[0]: run(source, namespace) for source in code_cells(SOLUTIONS)}
-    return namespace, outputs
+    return run_all_cells(SOLUTIONS)
 
 
 def check(namespace, number, **replacements):
     """Run check_exercise_<number> with some names replaced; return everything it printed."""
-    saved = {name: namespace[name] for name in replacements}
-    namespace.update(replacements)
-    try:
-        return run(f"check_exercise_{number}()", namespace)
-    finally:
-        namespace.update(saved)
+    with replaced(namespace, **replacements):
+        return run_source(f"check_exercise_{number}()", namespace)
 
 
 @pytest.mark.timeout(60)
@@ -64,11 +42,11 @@ def test_the_lecture_stubs_fail_the_same_checks(solved):
     namespace, _ = solved
     names = {1: "rank_token_loss", 2: "accumulate_gradients", 3: "rank_backward"}
     saved = {name: namespace[name] for name in names.values()}
-    stubs = [source for source in code_cells(LECTURE) if source.startswith("# Exercise ")]
+    stubs = [source for source in code_cell_sources(LECTURE) if source.startswith("# Exercise ")]
     assert len(stubs) == 3
     try:
         for number, stub in enumerate(stubs, start=1):
-            run(stub, namespace)
+            run_source(stub, namespace)
             assert check(namespace, number).strip() == f"exercise {number}: not solved yet - fill in {names[number]} above"
     finally:
         namespace.update(saved)

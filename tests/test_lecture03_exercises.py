@@ -6,9 +6,6 @@ own check, and expects "not yet"; the lecture's stub must make the check say "no
 check that cannot fail, or a solution that no longer passes, turns a test red.
 """
 
-import contextlib
-import io
-import json
 import math
 
 import pytest
@@ -16,40 +13,22 @@ import torch
 from torch.utils.data import DistributedSampler, Sampler
 
 from ddp_course.launch import REPO_ROOT
+from ddp_course.notebooks import code_cell_sources, replaced, run_all_cells, run_source
 
 LECTURE = REPO_ROOT / "lectures" / "03_samplers.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "03_samplers_solutions.ipynb"
 
 
-def code_cells(path):
-    cells = json.loads(path.read_text())["cells"]
-    return ["".join(cell["source"]) for cell in cells if cell["cell_type"] == "code"]
-
-
-def run(source, namespace):
-    """Execute source in namespace; return what it printed."""
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(compile(source, "<notebook cell>", "exec"), namespace)
-    return printed.getvalue()
-
-
 @pytest.fixture(scope="module")
 def solved():
     """The solutions notebook's namespace after running every cell, and each check's output."""
-    namespace = {"__name__": "solutions"}
-    outputs = {source.splitlines()[0]: run(source, namespace) for source in code_cells(SOLUTIONS)}
-    return namespace, outputs
+    return run_all_cells(SOLUTIONS)
 
 
 def check(namespace, number, **replacements):
     """Run check_exercise_<number> with some names replaced; return its verdict line."""
-    saved = {name: namespace[name] for name in replacements}
-    namespace.update(replacements)
-    try:
-        return run(f"check_exercise_{number}()", namespace).strip().splitlines()[-1]
-    finally:
-        namespace.update(saved)
+    with replaced(namespace, **replacements):
+        return run_source(f"check_exercise_{number}()", namespace).strip().splitlines()[-1]
 
 
 @pytest.mark.timeout(120)
@@ -62,13 +41,13 @@ def test_the_solutions_pass_their_checks(solved):
 @pytest.mark.timeout(120)
 def test_the_lecture_stubs_fail_the_same_checks(solved):
     namespace, _ = solved
-    stubs = {source.splitlines()[0]: source for source in code_cells(LECTURE) if source.startswith("# Exercise ")}
+    stubs = {source.splitlines()[0]: source for source in code_cell_sources(LECTURE) if source.startswith("# Exercise ")}
     assert len(stubs) == 3
     saved = {name: namespace[name] for name in ("rank_eval_sums", "resume_shard", "BlockDistributedSampler")}
     try:
         for title, stub in stubs.items():
             number = int(title.split()[2].rstrip(":"))
-            run(stub, namespace)
+            run_source(stub, namespace)
             assert check(namespace, number) == f"exercise {number}: not solved yet - " + {
                 1: "fill in rank_eval_sums above", 2: "fill in resume_shard above",
                 3: "fill in BlockDistributedSampler above"}[number]
