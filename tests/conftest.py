@@ -29,3 +29,25 @@ def read_json():
             return json.load(file)
 
     return read
+
+
+@pytest.fixture
+def refused_flag_line(capsys):
+    """refused_flag_line(lab_module, args) -> the one error line a lab's parse_args prints for bad flags.
+
+    Called in this process (no torchrun: every flag check goes through the same parser.error path,
+    which the labs' tests also launch once under torchrun). It fails the test unless the lab exits
+    with status 2 and prints exactly one "<lab>.py: error: ..." line; any other exception (a
+    traceback for a user mistake) fails it too.
+    """
+
+    def refuse(lab_module, args):
+        with pytest.raises(SystemExit) as stopped:
+            lab_module.parse_args(args)
+        assert stopped.value.code == 2
+        prefix = f"{lab_module.__name__}.py: error:"
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(prefix)]
+        assert len(errors) == 1, errors
+        return errors[0]
+
+    return refuse
