@@ -25,10 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))  # `python benchmarks/gpu_smoke.py` from a checkout
-
-from ddp_course.launch import RunResult, run_torchrun  # noqa: E402
+from ddp_course.launch import REPO_ROOT, RunResult, run_torchrun
 
 
 class KeyFigureError(Exception):
