@@ -5,10 +5,13 @@
   20% of the images aside as the held-out set, the same for every run, seed and world size.
 - "cifar10": 50,000 + 10,000 32x32 colour images through torchvision. Needs --data-dir holding
   the data, or a machine that can download it (global rank 0 then downloads it once for the job).
+- the standard library's source text (lab 6): Python code that every Python installation ships,
+  read as characters for a character-level language model. See load_stdlib_text().
 """
 
 from __future__ import annotations
 
+import sysconfig
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -187,3 +190,70 @@ def _try_download_cifar10(root: Path) -> str | None:
     except Exception as error:  # offline, DNS failure, disk full: all end in the same advice
         return f"{type(error).__name__}: {error}"
     return None
+
+
+# ---- character-level text: the standard library's own source files ------------------------------
+
+# A fixed vocabulary, the same on every machine: id 0 stands for any character outside it (a
+# non-ASCII letter in a docstring, a tab), then the newline and the 95 printable ASCII characters.
+UNKNOWN_ID = 0
+TEXT_CHARACTERS = "\n" + "".join(chr(code) for code in range(32, 127))
+TEXT_VOCAB_SIZE = 1 + len(TEXT_CHARACTERS)  # 97
+_CHARACTER_IDS = {character: index + 1 for index, character in enumerate(TEXT_CHARACTERS)}
+STDLIB_MAX_CHARS = 1_000_000  # about 20 modules' worth: plenty for a few hundred steps, read in milliseconds
+
+
+def encode_text(text: str) -> torch.Tensor:
+    """Characters -> token ids (int64, shape (len(text),)); characters outside the vocabulary -> UNKNOWN_ID."""
+    return torch.tensor([_CHARACTER_IDS.get(character, UNKNOWN_ID) for character in text], dtype=torch.long)
+
+
+def decode_text(ids) -> str:
+    """Token ids -> characters; UNKNOWN_ID reads as U+FFFD (the replacement character)."""
+    return "".join(TEXT_CHARACTERS[i - 1] if i != UNKNOWN_ID else "\ufffd" for i in map(int, ids))
+
+
+def stdlib_source_files(stdlib_dir: str | Path | None = None) -> list[Path]:
+    """The public top-level modules of the standard library, sorted by name: a fixed order on any machine.
+
+    Names starting with "_" are left out: they include _sysconfigdata_*.py, which describes how this
+    particular Python was built (paths, compiler flags) rather than being shared source code.
+    Which files exist still depends on the Python version, so nothing the course compares may depend
+    on the text itself.
+    """
+    folder = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
+    files = sorted(path for path in folder.glob("*.py") if path.name[0].isalpha())
+    if not files:
+        raise CourseError(f"no Python source files in {folder}: is this a full Python installation?")
+    return files
+
+
+def load_stdlib_text(max_chars: int = STDLIB_MAX_CHARS, stdlib_dir: str | Path | None = None) -> str:
+    """The first max_chars characters of the concatenated standard-library sources (stdlib_source_files order)."""
+    parts, length = [], 0
+    for path in stdlib_source_files(stdlib_dir):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        parts.append(text[: max_chars - length])
+        length += len(parts[-1])
+        if length >= max_chars:
+            break
+    return "".join(parts)
+
+
+def text_splits(tokens: torch.Tensor, held_out_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held_out): the held-out part is the END of the text, so no window straddles both."""
+    n_held_out = int(len(tokens) * held_out_fraction)
+    return tokens[: len(tokens) - n_held_out], tokens[len(tokens) - n_held_out :]
+
+
+def sample_windows(tokens: torch.Tensor, batch_size: int, context: int, generator: torch.Generator):
+    """batch_size random windows of the text: inputs (B, T) and targets (B, T), the inputs shifted by one.
+
+    The generator decides everything, so every rank seeded alike draws the same global batch and
+    can take its own rows of it (and a single process can redo the whole batch as a reference).
+    """
+    if len(tokens) <= context:
+        raise CourseError(f"the text has {len(tokens)} tokens, too few for windows of {context} + 1")
+    starts = torch.randint(0, len(tokens) - context, (batch_size,), generator=generator)
+    windows = torch.stack([tokens[start : start + context + 1] for start in starts.tolist()])  # (B, T + 1)
+    return windows[:, :-1], windows[:, 1:]

@@ -103,3 +103,73 @@ def build_model(name: str, num_classes: int = 10) -> nn.Module:
     if name == "conv_net":
         return ConvNet(num_classes)
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where position t sees positions 0..t only (a language model's mask)."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not a multiple of n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)  # queries, keys and values in one matmul
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, d_model = x.shape
+        # (B, T, 3C) -> three (B, heads, T, C/heads) tensors
+        q, k, v = (t.view(batch, time, self.n_heads, -1).transpose(1, 2) for t in self.qkv(x).split(d_model, dim=2))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # no dropout: deterministic
+        return self.proj(y.transpose(1, 2).reshape(batch, time, d_model))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block (as in GPT-2): x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(d_model)
+        self.attention = CausalSelfAttention(d_model, n_heads)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class CharTransformer(nn.Module):
+    """A small decoder-only transformer for character-level language modelling (lab 6's workload).
+
+    Chosen for DDP rather than for quality: 12 parameter tensors per block of very different sizes
+    (a LayerNorm bias of d_model floats up to the 4 x d_model^2 MLP weights), so gradient buckets
+    have something to group, and the output layer shares its weight with the token embedding
+    (weight tying, Press & Wolf 2017): one Parameter used twice in the forward pass, which
+    model.parameters() lists once and whose gradient is the sum of both uses. No dropout and no
+    batch-norm: N ranks at batch B then match one process at batch N x B up to float rounding.
+
+    Input (B, T) token ids with T <= context; output (B, T, vocab_size) logits for the next token.
+    """
+
+    def __init__(self, vocab_size: int, context: int = 64, d_model: int = 128, n_layers: int = 4, n_heads: int = 4):
+        super().__init__()
+        self.context = context
+        self.token_embedding = nn.Embedding(vocab_size, d_model)
+        self.position_embedding = nn.Embedding(context, d_model)
+        self.blocks = nn.ModuleList(TransformerBlock(d_model, n_heads) for _ in range(n_layers))
+        self.final_norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.token_embedding.weight  # tied: the same Parameter object, one storage
+        nn.init.normal_(self.token_embedding.weight, std=0.02)  # GPT-2's scale; N(0, 1) would make huge first logits
+        nn.init.normal_(self.position_embedding.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        time = tokens.shape[1]
+        if time > self.context:
+            raise ValueError(f"sequence of {time} tokens is longer than the model's context of {self.context}")
+        positions = torch.arange(time, device=tokens.device)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.final_norm(x))  # (B, T, vocab_size)
