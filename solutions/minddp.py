@@ -60,13 +60,14 @@ NCCL: every tensor a wrapper communicates lives on the parameters' device (nothi
 Written for NCCL with care but run only on gloo/CPU so far.
 
 The exercise labs/minddp.py is generated from this file (python -m ddp_course.exercises): each region
-between "# BEGIN SOLUTION" and "# END SOLUTION" becomes a raise NotImplementedError carrying the TODO
-text on the BEGIN line.
+marked BEGIN SOLUTION ... END SOLUTION becomes a raise NotImplementedError carrying the TODO comment
+that opens it.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -103,7 +104,7 @@ class _DataParallel(nn.Module):
         # TODO(lab 6, part 1): for every tensor in chain(self.module.parameters(), self.module.buffers()), call
         #   dist.broadcast(tensor.detach(), src=0) - same tensors, same order on every rank
         with torch.no_grad():
-            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+            for tensor in itertools.chain(self.module.parameters(), self.module.buffers()):
                 dist.broadcast(tensor.detach(), src=0)
         # END SOLUTION
 
@@ -233,16 +234,16 @@ def assign_buckets(parameters: list[nn.Parameter], bucket_cap_mb: float | None) 
     a bucket of its own. bucket_cap_mb=None puts every parameter in one bucket.
     """
     cap_bytes = float("inf") if bucket_cap_mb is None else bucket_cap_mb * MIB
-    buckets, current, current_bytes = [], [], 0
+    buckets, current, current_bytes, current_kind = [], [], 0, None
     for index in reversed(range(len(parameters))):
         param = parameters[index]
-        size = param.numel() * param.element_size()
-        same_kind = not current or (param.dtype, param.device) == (parameters[current[0]].dtype, parameters[current[0]].device)
-        if current and (current_bytes + size > cap_bytes or not same_kind):
+        size, kind = param.numel() * param.element_size(), (param.dtype, param.device)
+        if current and (current_bytes + size > cap_bytes or kind != current_kind):
             buckets.append(current)
             current, current_bytes = [], 0
         current.append(index)
         current_bytes += size
+        current_kind = kind
     if current:
         buckets.append(current)
     return buckets

@@ -1,0 +1,159 @@
+"""Generate an exercise file from its solution, so that the two can never drift apart.
+
+In the solution, each piece the learner writes is a marked region:
+
+        # BEGIN SOLUTION
+        # TODO(lab 6, part 2): the hint, which may continue
+        #   on indented comment lines
+        ...solution code...
+        # END SOLUTION
+
+make_exercise() replaces every region by `raise NotImplementedError("TODO(lab 6, part 2): the hint ...")`
+at the region's indentation and puts `header` (comment lines) at the top; everything else is copied
+unchanged, so classes, signatures and docstrings stay the same. `parts` keeps the solution code of the
+parts not listed: an exercise half done, as a learner who has finished parts 1 and 2 has it.
+
+    python -m ddp_course.exercises solutions/minddp.py labs/minddp.py          # (re)write the exercise
+    python -m ddp_course.exercises solutions/minddp.py labs/minddp.py --check  # exit 1 if it is stale
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddp_course.cli import CourseArgumentParser
+from ddp_course.launch import REPO_ROOT
+
+BEGIN = re.compile(r"^(?P<indent> *)# BEGIN SOLUTION$")
+END = "# END SOLUTION"
+TODO = re.compile(r"^TODO\((?P<label>[^)]*\bpart (?P<part>\d+))\): \S")
+LINE_WIDTH = 110  # of the generated string literals, indentation included
+
+
+@dataclass(frozen=True)
+class Region:
+    """One marked region: its hint and where it sits in the solution (0-based line numbers)."""
+
+    message: str  # "TODO(lab 6, part 2): ..." - the text the exercise raises
+    part: int
+    begin: int  # the BEGIN SOLUTION line
+    end: int  # the END SOLUTION line
+    indent: str
+
+
+def find_regions(lines: list[str]) -> list[Region]:
+    """Every marked region of a solution, in file order; ValueError (with a line number) if a marker is malformed."""
+    regions, number = [], 0
+    while number < len(lines):
+        match = BEGIN.match(lines[number])
+        if match is None:
+            if lines[number].strip() == END:
+                raise ValueError(f"line {number + 1}: END SOLUTION without BEGIN SOLUTION")
+            number += 1
+            continue
+        indent = match["indent"]
+        hint_lines, cursor = [], number + 1
+        while cursor < len(lines) and lines[cursor].startswith(indent + "# ") and lines[cursor].strip() != END:
+            text = lines[cursor][len(indent) + 2 :]
+            if hint_lines and not text.startswith("  "):
+                break  # an ordinary comment of the solution code, not part of the hint
+            hint_lines.append(text.strip())
+            cursor += 1
+        message = " ".join(hint_lines)
+        todo = TODO.match(message)
+        if todo is None:
+            raise ValueError(f"line {number + 1}: BEGIN SOLUTION must be followed by '# TODO(... part N): hint'")
+        while cursor < len(lines) and lines[cursor] != indent + END:
+            if BEGIN.match(lines[cursor]):
+                raise ValueError(f"line {cursor + 1}: BEGIN SOLUTION inside the region opened at line {number + 1}")
+            cursor += 1
+        if cursor == len(lines):
+            raise ValueError(f"line {number + 1}: BEGIN SOLUTION without an END SOLUTION at the same indentation")
+        regions.append(Region(message, int(todo["part"]), number, cursor, indent))
+        number = cursor + 1
+    return regions
+
+
+def raise_statement(message: str, indent: str) -> list[str]:
+    """`raise NotImplementedError("...")` as lines of at most LINE_WIDTH characters (implicit concatenation)."""
+    one_line = f"{indent}raise NotImplementedError({_literal(message)})"
+    if len(one_line) <= LINE_WIDTH:
+        return [one_line]
+    inner = indent + "    "
+    pieces, current = [], ""
+    for word in message.split(" "):
+        candidate = f"{current} {word}" if current else word
+        if current and len(inner) + len(_literal(candidate + " ")) > LINE_WIDTH:
+            pieces.append(current + " ")
+            current = word
+        else:
+            current = candidate
+    pieces.append(current)
+    return [f"{indent}raise NotImplementedError(", *(inner + _literal(piece) for piece in pieces), f"{indent})"]
+
+
+def _literal(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def make_exercise(solution: str, header: str = "", parts=None) -> str:
+    """The exercise text: every region (of the given parts; None: all) replaced by its raise, header on top."""
+    lines = solution.split("\n")
+    output, copied_up_to = [], 0
+    for region in find_regions(lines):
+        if parts is not None and region.part not in parts:
+            continue
+        output.extend(lines[copied_up_to : region.begin])
+        output.extend(raise_statement(region.message, region.indent))
+        copied_up_to = region.end + 1
+    output.extend(lines[copied_up_to:])
+    header_lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    return "\n".join(header_lines + output)
+
+
+def exercise_header(solution_path: str, exercise_path: str) -> str:
+    """The comment a generated exercise starts with: what to do, and where it comes from."""
+    return (
+        "Exercise: replace each `raise NotImplementedError(\"TODO(...)\")` below with working code, part by part.\n"
+        f"Generated from {solution_path} by `python -m ddp_course.exercises {solution_path} {exercise_path}`:\n"
+        "course maintainers edit the solution and regenerate this file; a test checks that the two agree."
+    )
+
+
+def _shown(path: Path) -> str:
+    """The path as the header names it: relative to the repository when inside it, so it is the same from any cwd."""
+    try:
+        return path.resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def main(argv=None) -> int:
+    parser = CourseArgumentParser(prog="python -m ddp_course.exercises", description=__doc__.split("\n\n")[0])
+    parser.add_argument("solution", type=Path, help="solution file with BEGIN/END SOLUTION regions")
+    parser.add_argument("exercise", type=Path, help="exercise file to write")
+    parser.add_argument("--check", action="store_true", help="only check that the exercise is up to date")
+    args = parser.parse_args(argv)
+    if not args.solution.is_file():
+        parser.error(f"no such solution file: {args.solution}")
+    try:
+        header = exercise_header(_shown(args.solution), _shown(args.exercise))
+        expected = make_exercise(args.solution.read_text(), header)
+    except ValueError as problem:
+        parser.error(f"{args.solution}: {problem}")
+    if args.check:
+        if not args.exercise.is_file() or args.exercise.read_text() != expected:
+            message = f"{args.exercise} is not what {args.solution} generates; run without --check to rewrite it"
+            print(message, file=sys.stderr)
+            return 1
+        return 0
+    args.exercise.write_text(expected)
+    print(f"wrote {args.exercise} ({expected.count('NotImplementedError(')} TODOs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
