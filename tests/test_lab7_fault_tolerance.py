@@ -1,12 +1,24 @@
 """Lab 7: crash, restart and resume exactly; resume on another world size without losing a sample.
 
-The sampler tests run in this process; the lab's own launches come further down.
+The sampler tests run in this process. The lab's launches are shared through module fixtures:
+one uninterrupted run and three crash-and-restart runs (benchmarks/lab7_crash_trials.py's trial
+functions, so the test and the 10-trial benchmark judge alike), and one elastic job of two agents
+that loses one. Under load on a 2-core machine a launch takes 30-80 s, hence the timeouts.
 """
 
+import json
+import re
+from pathlib import Path
+
 import pytest
+import torch
 from torch.utils.data import DistributedSampler
 
-from ddp_course.resume import ResumableDistributedSampler, epoch_order, samples_consumed
+from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
+from ddp_course.multinode import Agent, agent_command, free_port, port_is_open, wait_until
+from ddp_course.resume import RESTART_SAFE_ENV, ResumableDistributedSampler, epoch_order, samples_consumed
+
+LAB7 = REPO_ROOT / "labs" / "lab7_fault_tolerance.py"
 
 # --- ResumableDistributedSampler (ddp_course/resume.py) ----------------------------------------------
 
@@ -79,3 +91,179 @@ def test_bad_positions_are_refused():
         sampler.set_epoch(0, 11)
     with pytest.raises(ValueError, match="rank 2 is not in 0..1"):
         ResumableDistributedSampler(10, 2, 2)
+
+
+# --- crash and restart: bit for bit the uninterrupted run --------------------------------------------
+
+# (crash step, crash rank) with a checkpoint every 5 of 30 steps (23 per epoch): a crash of rank 1
+# early, of rank 0 (the rank that writes checkpoints) before the end of epoch 1, of rank 1 in epoch 2.
+CRASHES = [(7, 1), (19, 0), (26, 1)]
+
+
+@pytest.fixture(scope="module")
+def trials():
+    return import_script(REPO_ROOT / "benchmarks" / "lab7_crash_trials.py")
+
+
+@pytest.fixture(scope="module")
+def crash_runs(trials, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("crash_trials")
+    reference = trials.uninterrupted_run(directory)
+    assert reference.ok, reference.describe()
+    return directory, reference, {crash: trials.crash_run(directory, *crash) for crash in CRASHES}
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("crash", CRASHES, ids=[f"step{step}_rank{rank}" for step, rank in CRASHES])
+def test_crashed_run_ends_with_the_uninterrupted_weights(crash_runs, trials, crash):
+    directory, _, results = crash_runs
+    result = results[crash]
+    assert trials.judge(result, directory, *crash) is None, result.describe()
+    # The restart really was one: torchrun saw the rank die and started both ranks again.
+    assert "attempt=0 max_restarts=1" in result.stdout and "attempt=1 max_restarts=1" in result.stdout
+    assert re.search(r"done: step 30, world_size=2, attempt 1 \| (\d) steps recomputed", result.stdout)
+
+
+def torch_load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@pytest.mark.timeout(1800)
+def test_the_weight_comparison_can_fail(crash_runs, trials):
+    """The checkpoint of step 25 differs from the final weights, so same_weights() is no rubber stamp."""
+    directory, _, _ = crash_runs
+    for step in (25, 30):
+        state = torch_load(directory / "straight_checkpoints" / f"checkpoint_step{step:08d}.pt")
+        torch.save(state["model"], directory / f"step{step}.pt")
+    assert trials.same_weights(directory / "step30.pt", directory / "straight.pt")
+    assert not trials.same_weights(directory / "step25.pt", directory / "straight.pt")
+
+
+@pytest.mark.timeout(1800)
+def test_the_uninterrupted_run_checkpoints_its_position_in_samples(crash_runs):
+    directory, reference, _ = crash_runs
+    assert "0 steps recomputed in all" in reference.stdout
+    assert "step 20: checkpoint (epoch 0, 1280 of 1438 samples)" in reference.stdout  # 20 x 32 x 2
+    assert "step 25: checkpoint (epoch 1, 128 of 1438 samples)" in reference.stdout  # 23 steps end epoch 0
+    state = torch_load(directory / "straight_checkpoints" / "checkpoint_step00000030.pt")
+    assert (state["global_step"], state["epoch"], state["samples_consumed"]) == (30, 1, 448)
+    assert len(state["rng_states"]) == 2 and not any(name.startswith("module.") for name in state["model"])
+    assert json.loads((directory / "straight_checkpoints" / "progress.json").read_text())["global_step"] == 30
+
+
+# --- elastic: two agents, one is lost, the other finishes alone ----------------------------------------
+
+
+def effective_steps(sample_dir: Path) -> dict[int, list[dict]]:
+    """step -> the records of the attempt whose work the final weights contain (the last to do that step)."""
+    by_attempt = {}
+    for path in sample_dir.glob("samples_attempt*_rank*.jsonl"):
+        attempt, rank = map(int, re.fullmatch(r"samples_attempt(\d+)_rank(\d+)\.jsonl", path.name).groups())
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            by_attempt.setdefault(record["step"], {}).setdefault(attempt, []).append({**record, "rank": rank})
+    return {step: attempts[max(attempts)] for step, attempts in sorted(by_attempt.items())}
+
+
+@pytest.fixture(scope="module")
+def elastic_run(tmp_path_factory):
+    """Agent A starts (and hosts the rendezvous), agent B joins; B and its worker are killed after step 10.
+
+    --nnodes=1:2: A's worker fails, A restarts it, the new rendezvous closes with A alone, and the
+    job finishes epoch 1 with world size 1 from the newest checkpoint.
+    """
+    directory = tmp_path_factory.mktemp("elastic")
+    port = free_port()
+    flags = [
+        "--checkpoint-dir", directory / "checkpoints", "--record-samples", directory / "samples", "--epochs", 1,
+        "--step-delay-s", 0.2, "--timeout-s", 30, "--metrics-json", directory / "metrics.json",
+    ]  # fmt: skip
+    command = agent_command(LAB7, flags, nnodes="1:2", endpoint=f"127.0.0.1:{port}", rdzv_id="lab7_elastic",
+                            torchrun_args=["--max-restarts=3"])  # fmt: skip
+    first, second = Agent(command, env=RESTART_SAFE_ENV), None
+    try:
+        assert wait_until(lambda: port_is_open("127.0.0.1", port), 120), "agent A never hosted the rendezvous"
+        second = Agent(command, env=RESTART_SAFE_ENV)
+        reached = wait_until(lambda: (directory / "checkpoints" / "checkpoint_step00000010.pt").exists(), 300)
+        second.lose_node()
+        assert reached, f"no checkpoint at step 10\n{first.output()}\n{second.output()}"
+        result = first.wait(timeout_s=400)  # kills A and its worker if they run past it
+    finally:
+        for agent in (first, second):
+            if agent is not None and agent.process.poll() is None:
+                agent.lose_node()
+    assert result.ok, result.describe()
+    return result, directory
+
+
+@pytest.mark.timeout(1200)
+def test_elastic_job_finishes_alone_with_world_size_1(elastic_run):
+    result, directory = elastic_run
+    metrics = json.loads((directory / "metrics.json").read_text())
+    assert metrics["world_size"] == 1 and metrics["attempt"] >= 1 and metrics["resumed_from_step"] == 10
+    assert re.search(r"attempt \d: resumed from .*checkpoint_step00000010\.pt \(epoch 0, 640 samples of it done", result.stdout)
+
+
+@pytest.mark.timeout(1200)
+def test_elastic_job_trains_every_sample_of_the_interrupted_epoch_once(elastic_run):
+    _, directory = elastic_run
+    steps = effective_steps(directory / "samples")
+    world_sizes = {step: len(records) for step, records in steps.items()}
+    assert set(world_sizes[step] for step in range(1, 11)) == {2}  # before the loss: 2 ranks
+    assert set(world_sizes[step] for step in range(11, max(steps) + 1)) == {1}  # after it: 1
+    trained = [i for records in steps.values() for record in records for i in record["ids"]]
+    assert all(record["epoch"] == 0 for records in steps.values() for record in records)
+    assert sorted(trained) == list(range(1438))  # no sample skipped, none repeated
+    # 10 steps x 32 x 2 ranks = 640 samples, then (1438 - 640) / 32 = 25 steps on one rank
+    assert max(steps) == 10 + 25
+
+
+def test_the_sample_check_sees_a_skip_and_a_repeat(tmp_path):
+    """effective_steps() with a made-up history whose resume skipped one sample and repeated another."""
+    (tmp_path / "samples_attempt0_rank0.jsonl").write_text('{"step": 1, "epoch": 0, "ids": [0, 1]}\n')
+    (tmp_path / "samples_attempt1_rank0.jsonl").write_text('{"step": 2, "epoch": 0, "ids": [1, 3]}\n')
+    trained = [i for records in effective_steps(tmp_path).values() for record in records for i in record["ids"]]
+    assert sorted(trained) != list(range(4))
+
+
+# --- restarts need a fresh store per attempt; bad input ----------------------------------------------
+
+
+def test_restarts_without_a_fresh_store_are_refused(monkeypatch):
+    lab7 = import_script(LAB7)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # what torchrun sets without RESTART_SAFE_ENV
+    with pytest.raises(lab7.CourseError, match="restarts on gloo need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        lab7.check_restarts_are_safe()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what it sets with it
+    lab7.check_restarts_are_safe()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # no restart, no stale keys
+    lab7.check_restarts_are_safe()
+
+
+BAD_FLAGS = [
+    ([], r"the following arguments are required: --checkpoint-dir"),
+    (["--checkpoint-dir", "c", "--checkpoint-every", "0"], r"--checkpoint-every: must be a positive integer"),
+    (["--checkpoint-dir", "c", "--crash-at-step", "0"], r"--crash-at-step: must be a positive integer"),
+    (["--checkpoint-dir", "c", "--crash-rank", "-1"], r"--crash-rank: must be 0 or more"),
+    (["--checkpoint-dir", "c", "--step-delay-s", "-1"], r"--step-delay-s: must be 0 or more"),
+    (["--checkpoint-dir", "c", "--batch-size", "many"], r"--batch-size: must be an integer"),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), BAD_FLAGS)
+def test_bad_flags_are_refused_with_one_line(args, expected, refused_flag_line):
+    assert re.search(expected, refused_flag_line(import_script(LAB7), args))
+
+
+@pytest.mark.timeout(180)
+def test_a_crash_rank_outside_the_job_fails_with_one_line(tmp_path):
+    flags = ["--checkpoint-dir", tmp_path / "c", "--crash-at-step", 3, "--crash-rank", 2, "--timeout-s", 30]
+    result = run_torchrun(LAB7, flags, nproc=2, timeout_s=150)
+    assert not result.ok and not result.timed_out, result.describe()
+    errors = [line for line in result.stderr.splitlines() if line.startswith("lab7_fault_tolerance.py: error:")]
+    assert errors == ["lab7_fault_tolerance.py: error: --crash-rank 2 does not exist in a job of 2 ranks"], result.describe()
+    # torchrun adds its own ChildFailedError traceback; no worker may print one.
+    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
+    assert 'lab7_fault_tolerance.py", line' not in result.stderr, result.describe()

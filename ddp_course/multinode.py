@@ -1,0 +1,111 @@
+"""Several torchrun agents on one machine, as if each were a node: for tests and lab sheets.
+
+A multi-node job is one torchrun agent per node; the agents meet at a c10d rendezvous (one of
+them hosts a TCPStore on the endpoint's port) and then start their workers. Two agents on this
+machine with --rdzv-endpoint=127.0.0.1:PORT form the same job, and killing one agent together
+with its workers is what losing a node looks like to the others.
+
+Every agent runs in a process group of its own, its output goes to files (read at any time, also
+while it runs), and every wait has a deadline, after which the agent and its workers are killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ddp_course.launch import REPO_ROOT, RunResult, _descendant_pids, _kill_job, child_environment
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on host right now (the OS picks it); bind to it soon, as it is not reserved."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def port_is_open(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(1.0)
+        return probe.connect_ex((host, port)) == 0
+
+
+def agent_command(script, args=(), nnodes="2", nproc=1, endpoint="127.0.0.1:29400", rdzv_id="job", torchrun_args=()):
+    """One node's torchrun line: the same on every node of the job (endpoint and rdzv_id included)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}",
+        *map(str, torchrun_args), str(script), *map(str, args),
+    ]  # fmt: skip
+
+
+class Agent:
+    """A command (a torchrun agent, or a script that starts some) running in the background."""
+
+    def __init__(self, command, env=None, threads_per_rank=1, cwd=None):
+        self.command = [str(part) for part in command]
+        self._out = tempfile.TemporaryFile("w+")
+        self._err = tempfile.TemporaryFile("w+")
+        self._start = time.perf_counter()
+        self.process = subprocess.Popen(
+            self.command, cwd=cwd or REPO_ROOT, env=child_environment(os.environ, threads_per_rank, env, use_gpus=False),
+            stdout=self._out, stderr=self._err, text=True, start_new_session=True,
+        )  # fmt: skip
+
+    def output(self) -> str:
+        """What it printed on stdout so far."""
+        self._out.seek(0)
+        return self._out.read()
+
+    def wait(self, timeout_s: float) -> RunResult:
+        """Wait for the end, at most timeout_s; past it, kill the agent and its workers."""
+        try:
+            self.process.wait(timeout=max(timeout_s, 0))
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            _kill_job(self.process)
+            timed_out = True
+        self._err.seek(0)
+        return RunResult(
+            self.command, None if timed_out else self.process.returncode, self.output(), self._err.read(),
+            time.perf_counter() - self._start, timed_out,
+        )  # fmt: skip
+
+    def lose_node(self) -> None:
+        """SIGKILL the agent and every worker it started (they run in sessions of their own): a node is gone."""
+        for pid in [self.process.pid, *_descendant_pids(self.process.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.process.wait()
+
+
+def wait_until(condition, timeout_s: float, poll_s: float = 0.1) -> bool:
+    """Poll condition() until it is true (True) or timeout_s passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll_s)
+    return bool(condition())
+
+
+def run_agents(commands, timeout_s: float, env=None, stagger_host: tuple[str, int] | None = None) -> list[RunResult]:
+    """Start one agent per command, wait for all (one deadline for the lot), return their results.
+
+    stagger_host=(host, port): start the first agent alone and the others once it listens there,
+    so that the first one hosts the rendezvous store (which agent does is otherwise a race).
+    """
+    deadline = time.monotonic() + timeout_s
+    agents = [Agent(commands[0], env)]
+    if stagger_host:
+        wait_until(lambda: port_is_open(*stagger_host) or agents[0].process.poll() is not None, timeout_s)
+    agents += [Agent(command, env) for command in commands[1:]]
+    return [agent.wait(deadline - time.monotonic()) for agent in agents]
