@@ -34,19 +34,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_course.amp import choose_amp
-from ddp_course.checkpoint import (
-    atomic_save, atomic_write_json, gather_rng_states, latest_checkpoint, load_checkpoint, save_checkpoint,
-)  # fmt: skip
+from ddp_course.checkpoint import atomic_save, atomic_write_json, latest_checkpoint
 from ddp_course.cli import CourseArgumentParser, CourseError, non_negative_int, positive_float, positive_int
 from ddp_course.data import DATASETS, load_dataset
 from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
 from ddp_course.models import MODEL_FOR_DATASET, build_model
-from ddp_course.seeding import seed_everything, set_rng_state
+from ddp_course.seeding import seed_everything
+from ddp_course.training import (
+    copy_rank0_buffers, cpu_state_dict, evaluate, held_out_loader, restore_training_state, save_training_state,
+)  # fmt: skip
 
-CHECKPOINT_KEYS = ("model_name", "model", "optimizer", "scaler", "epoch", "step_in_epoch", "global_step", "rng_states")
+# Where a restart continues: the epoch and the micro-batches of it already done (ddp_course.training
+# holds the rest of the checkpoint: weights, optimizer, step, every rank's RNG state).
+POSITION_KEYS = ("epoch", "step_in_epoch")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,49 +93,9 @@ def restore(args, model_name, model, optimizer, scaler, ctx) -> dict:
     if path is None:
         log(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 0")
         return start
-    state = load_checkpoint(path, CHECKPOINT_KEYS)
-    if state["model_name"] != model_name:
-        raise CourseError(f"{path} holds a {state['model_name']} model, but this run trains {model_name}")
-    try:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-    except (RuntimeError, ValueError, KeyError) as error:
-        raise CourseError(f"{path} does not fit this model or optimizer ({type(error).__name__})") from None
-    if len(state["rng_states"]) == ctx.world_size:
-        set_rng_state(state["rng_states"][ctx.rank])
-    else:
-        log(f"note: {path} was written by {len(state['rng_states'])} ranks, this job has {ctx.world_size}")
+    state = restore_training_state(path, model_name, model, optimizer, scaler, ctx, POSITION_KEYS)
     log(f"resumed from {path}: epoch {state['epoch']}, step {state['global_step']}")
     return {key: state[key] for key in start}
-
-
-@torch.no_grad()
-def copy_rank0_buffers(model) -> None:
-    """Give every rank rank 0's buffers (BatchNorm running mean and variance) before evaluating.
-
-    DDP does not average buffers: it copies rank 0's to every rank at the start of each training
-    forward, then every rank updates its running statistics with its own micro-batch. So after the
-    last step the ranks hold slightly different statistics, and a job-wide accuracy would mix
-    several models. With rank 0's everywhere it is the accuracy of the model that --save and the
-    checkpoints keep. The digits CNN has no buffers (a no-op there); resnet18 has BatchNorm layers.
-    """
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)  # in place; buffers live on ctx.device, as NCCL requires
-
-
-@torch.no_grad()
-def evaluate(model, loader, ctx) -> tuple[int, int]:
-    """(correct, total) over the WHOLE held-out set: each rank scores a disjoint slice, then we sum."""
-    model.eval()
-    counts = torch.zeros(2, dtype=torch.long, device=ctx.device)  # [correct, seen]
-    for images, labels in loader:
-        images, labels = images.to(ctx.device), labels.to(ctx.device)
-        counts[0] += (model(images).argmax(dim=1) == labels).sum()
-        counts[1] += labels.numel()
-    dist.all_reduce(counts)  # sum over ranks; no sample is padded in or counted twice
-    model.train()
-    return int(counts[0]), int(counts[1])
 
 
 def train(ctx, args) -> dict:
@@ -170,8 +133,7 @@ def train(ctx, args) -> dict:
         pin_memory=ctx.device.type == "cuda", persistent_workers=workers > 0,
     )  # fmt: skip
     # Held-out: rank r takes samples r, r + world_size, ... - uneven slices, no padding duplicates.
-    eval_slice = Subset(splits.test, range(ctx.rank, len(splits.test), ctx.world_size))
-    eval_loader = DataLoader(eval_slice, batch_size=256, num_workers=min(workers, 2))
+    eval_loader = held_out_loader(splits.test, ctx, num_workers=min(workers, 2))
 
     samples_per_rank = len(sampler)  # the same on every rank: DistributedSampler pads the last shard
     global_step = start["global_step"]
@@ -254,11 +216,6 @@ def train(ctx, args) -> dict:
     }  # fmt: skip
 
 
-def cpu_state_dict(model) -> dict:
-    """The bare model's weights (keys without "module.") on the CPU: the file loads on any machine."""
-    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
-
-
 def throughput_after_first_epoch(history: list[dict]) -> float | None:
     """samples/s over this run's epochs after its first, which pays start-up costs (None: one epoch only)."""
     later = history[1:]
@@ -279,13 +236,9 @@ def resume_position(epoch: int, batches_done: int, batches_per_epoch: int) -> tu
 
 def save(args, model_name, model, optimizer, scaler, epoch, step_in_epoch, global_step, ctx) -> None:
     """Everything a restart needs; (epoch, step_in_epoch) is where training continues."""
-    rng_states = gather_rng_states()  # a collective: every rank calls save()
-    state = {
-        "model_name": model_name, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict(), "epoch": epoch, "step_in_epoch": step_in_epoch,
-        "global_step": global_step, "rng_states": rng_states,
-    }  # fmt: skip
-    save_checkpoint(state, args.checkpoint_dir, global_step, ctx.is_main)
+    save_training_state(
+        args.checkpoint_dir, global_step, ctx, model_name, model, optimizer, scaler, epoch=epoch, step_in_epoch=step_in_epoch
+    )  # fmt: skip
 
 
 def main(args) -> int:
