@@ -1,0 +1,159 @@
+"""labs/lab6_ddp_from_scratch.py: the check, the JSON records, the traces, training, the exercise's TODO line, bad flags.
+
+Two torchrun launches in all, shared through module-scoped fixtures: one job with the finished
+wrappers (solutions) that checks, times, profiles and trains everything at once with small sizes and
+buckets of 0.5 MiB (nine buckets for the transformer: the interesting case for BucketedDDP), and one
+with the untouched exercise. Flag checks and the script's small pieces run in-process.
+Timing targets are the benchmark's business (benchmarks/lab6_ddp_from_scratch.py), not asserted here.
+"""
+
+import json
+import re
+import statistics
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
+from ddp_course.profiling import overlap_summary, read_traces
+
+LAB6 = REPO_ROOT / "labs" / "lab6_ddp_from_scratch.py"
+IMPLS = ["naive", "overlap", "bucketed", "torch"]
+SMALL = ["--check-steps", "3", "--warmup-steps", "1", "--steps", "2", "--repeats", "2"]
+TRAIN_STEPS = 40
+RECORD_KEYS = {"impl", "bucket_cap_mb", "world_size", "step_time_s", "max_abs_diff_vs_single_process",
+               "max_abs_diff_vs_torch_ddp", "tolerance", "check_passed", "vs_torch_ddp", "step_time_no_sync_s"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lab6():
+    return import_script(LAB6)
+
+
+@pytest.fixture(scope="module")
+def solutions_job(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lab6")
+    args = ["--module", "solutions", "--bucket-cap-mb", "0.5", "--json", folder / "r.json", "--profile", folder / "traces",
+            "--train-steps", TRAIN_STEPS, *SMALL]  # fmt: skip
+    result = run_torchrun(LAB6, args, nproc=2, timeout_s=240)
+    assert result.ok, result.describe()
+    return result, json.loads((folder / "r.json").read_text()), folder
+
+
+@pytest.fixture(scope="module")
+def exercise_job():
+    return run_torchrun(LAB6, ["--module", "labs", "--impl", "naive", "--repeats", "0"], nproc=2, timeout_s=120)
+
+
+@pytest.mark.timeout(300)  # covers the shared launch when this test is the first to use it
+def test_every_finished_wrapper_matches_one_process_and_torch_ddp(solutions_job):
+    result, records, _ = solutions_job
+    assert [r["impl"] for r in records] == IMPLS
+    for record in records:
+        assert record["check_passed"], record
+        assert record["max_abs_diff_vs_single_process"] <= record["tolerance"]
+        assert record["max_abs_diff_vs_torch_ddp"] <= record["tolerance"]
+    # The tolerance is a few e-5 (64 x 3 steps x float32 eps x max|w|, the largest weight about 1).
+    assert 1e-5 < records[0]["tolerance"] < 1e-4
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines if line.endswith("PASS")] == IMPLS
+    # The control, replicas that never communicate, is far outside the tolerance: the check can fail.
+    control = next(line for line in lines if line.strip().startswith("no sync"))
+    difference = float(re.search(r"one process\| (\S+)", control).group(1))
+    assert control.endswith("differs (control)") and difference > 100 * records[0]["tolerance"]
+
+
+@pytest.mark.timeout(300)
+def test_json_records_and_timing_table(solutions_job):
+    result, records, _ = solutions_job
+    for record in records:
+        assert RECORD_KEYS <= record.keys()
+        assert (record["world_size"], record["backend"], record["bucket_cap_mb"]) == (2, "gloo", 0.5)
+        assert len(record["step_times_s"]) == 2 and record["step_time_s"] == statistics.median(record["step_times_s"])
+        assert record["step_time_s"] > 0 and record["step_time_no_sync_s"] > 0
+    torch_record = records[IMPLS.index("torch")]
+    assert torch_record["vs_torch_ddp"] == 1.0 and torch_record["module"] == "torch"
+    assert records[0]["module"] == "solutions"
+    assert "vs_torch_ddp" in result.stdout and "config: impls=naive,overlap,bucketed,torch" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_profile_writes_one_trace_per_rank_and_impl_and_naive_does_not_overlap(solutions_job):
+    _, _, folder = solutions_job
+    summaries = {}
+    for impl in IMPLS:
+        traces = read_traces(folder / "traces" / impl)
+        assert sorted(traces) == [0, 1] and all(len(steps) == 3 for steps in traces.values())
+        summaries[impl] = overlap_summary(traces)
+    # NaiveDDP communicates only after backward(): none of its all-reduces starts before backward ends,
+    # one per parameter tensor (52).
+    assert all(row["started_before_backward_end"] == 0 and row["all_reduces"] == 52 for row in summaries["naive"])
+    # BucketedDDP launches bucket 0 (the last block) from a hook while backward still runs: 9 buckets at 0.5 MiB.
+    assert all(row["launched_before_compute_end"] > 0 and row["all_reduces"] == 9 for row in summaries["bucketed"])
+
+
+@pytest.mark.timeout(300)
+def test_training_loss_falls(solutions_job):
+    result, records, _ = solutions_job
+    curve = records[IMPLS.index("bucketed")]["train_losses"]
+    assert curve[0][0] == 1 and curve[-1][0] == TRAIN_STEPS
+    first, last = curve[0][1], curve[-1][1]
+    assert 4.3 < first < 4.9  # about ln(97) = 4.57: the untrained model guesses uniformly
+    assert last < 0.8 * first, curve
+    assert f"training with bucketed: {TRAIN_STEPS} AdamW steps" in result.stdout
+
+
+@pytest.mark.timeout(180)
+def test_untouched_exercise_ends_with_one_line_naming_the_todo(exercise_job):
+    result = exercise_job
+    assert result.returncode not in (0, None), result.describe()
+    errors = [line for line in result.stderr.splitlines() if line.startswith("lab6_ddp_from_scratch.py: error:")]
+    assert len(errors) == 1, result.describe()
+    assert "labs/minddp.py is not finished: TODO(lab 6, part 1)" in errors[0]
+    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr, result.describe()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--impl", "fast"], "argument --impl: invalid choice: 'fast'"),
+        (["--module", "mine"], "argument --module: invalid choice: 'mine'"),
+        (["--bucket-cap-mb", "0"], "argument --bucket-cap-mb: must be a positive number, got 0"),
+        (["--bucket-cap-mb", "big"], "argument --bucket-cap-mb: must be a number, got 'big'"),
+        (["--batch-size", "0"], "argument --batch-size: must be a positive integer, got 0"),
+        (["--check-steps", "-1"], "argument --check-steps: must be a positive integer, got -1"),
+        (["--repeats", "-1"], "argument --repeats: must be 0 or more, got -1"),
+        (["--train-steps", "x"], "argument --train-steps: must be an integer, got 'x'"),
+        (["--lr", "0"], "argument --lr: must be a positive number, got 0"),
+        (["--json", str(REPO_ROOT / "labs")], "is a folder; give a file name"),
+        (["--profile", str(LAB6)], "is a file; give a folder"),
+    ],
+)  # fmt: skip
+def test_bad_flags_give_one_line(lab6, refused_flag_line, args, expected):
+    assert expected in refused_flag_line(lab6, args)
+
+
+def test_impl_choices_and_bucket_caps(lab6):
+    assert lab6.parse_args([]).impls == IMPLS
+    assert lab6.parse_args(["--impl", "torch", "--impl", "naive"]).impls == ["naive", "torch"]
+    assert lab6.parse_args(["--impl", "naive", "--impl", "all"]).impls == IMPLS
+    assert lab6.parse_args(["--bucket-cap-mb", "none"]).bucket_cap_mb is None
+    assert lab6.parse_args(["--bucket-cap-mb", "2.5"]).bucket_cap_mb == 2.5
+    assert lab6.parse_args([]).module == "labs"  # the exercise by default
+
+
+def test_shards_are_disjoint_and_cover_the_global_batch(lab6):
+    batch = torch.arange(12).reshape(6, 2)
+    shards = [lab6.my_rows(batch, SimpleNamespace(rank=r, world_size=3)) for r in range(3)]
+    assert torch.equal(torch.cat(shards), batch)
+
+
+def test_verdicts(lab6):
+    tolerance = 1e-5
+    assert lab6.verdict("naive", {"max_abs_diff_vs_single_process": 1e-7, "max_abs_diff_vs_torch_ddp": 0.0}, tolerance) == "PASS"
+    assert lab6.verdict("naive", {"max_abs_diff_vs_single_process": 1e-7, "max_abs_diff_vs_torch_ddp": 1e-3}, tolerance) == "FAIL"
+    assert lab6.verdict("overlap", {"max_abs_diff_vs_single_process": 1e-3, "max_abs_diff_vs_torch_ddp": 0.0}, tolerance) == "FAIL"
+    assert lab6.verdict("no sync", {"max_abs_diff_vs_single_process": 1e-2, "max_abs_diff_vs_torch_ddp": 1e-2}, tolerance) == "differs (control)"
+    # A control that matches would mean the check cannot tell synchronised from unsynchronised replicas.
+    assert lab6.verdict("no sync", {"max_abs_diff_vs_single_process": 0.0, "max_abs_diff_vs_torch_ddp": 0.0}, tolerance) != "differs (control)"
