@@ -188,7 +188,7 @@ def test_real_ddp_trace_shows_overlap_and_the_blocking_hook_none(real_traces):
         rows = profiling.overlap_summary(real_traces[sync])
         assert [(r["rank"], r["step"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         for row in rows:
-            # Six 1 MiB layers, one bucket each; the last bucket (first layer) is ready only once every
+            # Six 4 MiB layers, one bucket each; the last bucket (first layer) is ready only once every
             # gradient is computed; DDP's backward() waits for all of them.
             assert row["all_reduces"] == 6 and row["launched_before_compute_end"] == 5, (sync, row)
             assert row["started_before_backward_end"] == 6, (sync, row)

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node=2 tests/scripts/profile_ddp_steps.py OUT_DIR --sync ddp
 
---sync ddp:      torch DDP, one 1 MiB bucket per layer (all-reduces overlap the rest of backward)
+--sync ddp:      torch DDP, one 4 MiB bucket per layer (all-reduces overlap the rest of backward)
 --sync blocking: torch DDP with a communication hook that waits for each all-reduce (no overlap)
 --sync after:    no DDP; every gradient all-reduced after backward() returned (what naive DDP does)
 """
@@ -30,16 +30,17 @@ def blocking_allreduce_hook(state, bucket):
 
 def profile(out_dir: str, sync: str, rank: int) -> None:
     torch.manual_seed(0)
-    # Six 512x512 layers (1 MiB of fp32 weights each): with bucket_cap_mb=1 one bucket per layer.
-    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)])
+    # Six 1024x1024 layers (4 MiB of fp32 weights each): with bucket_cap_mb=4 one bucket per layer. A
+    # batch of 2 keeps each layer's backward shorter than its all-reduce, also on a fast CPU.
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)])
     if sync == "after":
         trained = model
     else:
-        trained = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+        trained = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=4)
         if sync == "blocking":
             trained.register_comm_hook(None, blocking_allreduce_hook)
     optimizer = torch.optim.SGD(trained.parameters(), lr=0.01)
-    inputs = torch.randn(32, 512)
+    inputs = torch.randn(2, 1024)
 
     def step(_):
         with profiling.phase("forward"):

@@ -1,0 +1,142 @@
+"""What lecture 04 prints from its 2-rank job holds: the demo script's facts, checked outside nbval.
+
+One torchrun launch of lectures/scripts/ddp_internals_demos.py (about 15-25 s on 2 CPU cores), then
+one test per section of the lecture. Also: the mp.spawn launcher works from a script, and mp.spawn
+of a function defined in a program without a module file (a notebook, `python -c`) fails.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ddp_course import profiling
+from ddp_course.launch import REPO_ROOT, child_environment, run_command, run_torchrun
+
+SCRIPTS = REPO_ROOT / "lectures" / "scripts"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """(report, trace folder) of one run of the demo script."""
+    out = tmp_path_factory.mktemp("lecture04")
+    result = run_torchrun(SCRIPTS / "ddp_internals_demos.py", ["--json", out / "report.json", "--trace-dir", out / "traces"],
+                          nproc=2, timeout_s=240)  # fmt: skip
+    assert result.ok, result.describe()
+    return json.loads((out / "report.json").read_text()), out / "traces"
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_environment_and_subgroups(job):
+    report, _ = job
+    for rank, facts in enumerate(report["environment"]):
+        assert (facts["RANK"], facts["LOCAL_RANK"], facts["WORLD_SIZE"], facts["LOCAL_WORLD_SIZE"]) == (str(rank), str(rank), "2", "2")
+        assert facts["MASTER_PORT"].isdigit() and facts["TORCHELASTIC_RESTART_COUNT"] == "0" and facts["backend"] == "gloo"
+    assert [f["rank_in_each_solo_group"] for f in report["subgroups"]] == [[0, -1], [-1, 0]]
+    assert [f["sum_in_my_group"] for f in report["subgroups"]] == [1.0, 2.0]
+    assert [f["sum_in_everyone"] for f in report["subgroups"]] == [3.0, 3.0]
+
+
+@pytest.mark.timeout(300)
+def test_construction_broadcasts_rank_0s_parameters_and_buffers(job):
+    report, _ = job
+    for facts in report["broadcast_at_construction"]:
+        assert facts["equal_before"] == {"weight": False, "running_mean": False}
+        assert facts["equal_after"] == {"weight": True, "running_mean": True} and facts["equals_rank0_original"]
+        assert facts["running_mean_after"] == [0.0] * 4  # rank 0's value
+
+
+@pytest.mark.timeout(300)
+def test_buckets_one_first_then_rebuilt_in_ready_order(job):
+    report, _ = job
+    buckets = report["buckets"][0]
+    assert report["buckets"][0] == report["buckets"][1]
+    names = list(buckets["parameter_bytes"])
+    for cap in ("None", "0.5", "1", "25"):
+        assert buckets[cap]["before"] == buckets[cap]["after_step_1"] == [names] and buckets[cap]["rebuilt"]
+    assert buckets["None"]["after_step_2"][0][:2] == ["head.bias", "head.weight"]  # ready first
+    assert len(buckets["25"]["after_step_2"]) == 1 and len(buckets["0.5"]["after_step_2"]) == 3
+    unused = buckets["None, find_unused_parameters"]
+    assert not unused["rebuilt"] and unused["before"] == unused["after_step_2"] and len(unused["before"]) == 2
+
+
+@pytest.mark.timeout(300)
+def test_launches_follow_bucket_order(job):
+    report, _ = job
+    assert report["launch_order"][0] == report["launch_order"][1]
+    for facts in report["launch_order"][0].values():
+        launches = [event[1] for event in facts["log"] if event[0] == "launch"]
+        assert launches == list(range(len(facts["buckets"])))
+    log = report["launch_order"][0]["find_unused_parameters"]["log"]
+    assert report["launch_order"][0]["find_unused_parameters"]["buckets"][-1] == ["head.weight"]
+    # head.weight is ready second, but its bucket (the last) is launched last, right after bucket 3
+    assert log.index(["ready", "head.weight"]) == 1 and log[-2:] == [["launch", 3], ["launch", 4]]
+
+
+@pytest.mark.timeout(300)
+def test_gradient_views_unused_parameters_and_static_graph(job):
+    report, _ = job
+    for facts in report["gradient_as_bucket_view"]:
+        assert facts["False"]["grads_inside_buckets"] == 0 and facts["True"]["grads_inside_buckets"] == facts["True"]["parameters"] == 8
+    for rank, facts in enumerate(report["unused_everywhere"]):
+        assert facts["False"]["steps_completed"] == 1
+        assert facts["False"]["error"].startswith("Expected to have finished reduction in the prior iteration")
+        assert f"did not receive grad for rank {rank}: 2 3" in facts["False"]["error"]
+        assert facts["True"] == {"steps_completed": 3, "error": None, "extra_grad_is_none": True}
+    for facts in report["unused_on_some_ranks"]:
+        assert facts["grad_equal_on_every_rank"] and facts["grad_is_average_of_local"] and facts["grad_nonzero"]
+    outcomes = [f["outcome"] for f in report["unused_on_one_rank_without_flag"]]
+    assert outcomes[0] == "timed out" and outcomes[1].startswith("Expected to have finished reduction")
+    for facts in report["static_graph"]:
+        assert facts == {"steps_completed": 3, "body_grad_equal": True, "extra_grad_is_none": True}
+
+
+@pytest.mark.timeout(300)
+def test_buffers_batchnorm_and_changes_after_wrapping(job):
+    report, _ = job
+    for rank, facts in enumerate(report["batchnorm"]):
+        synced, unsynced = facts["forward_sync_buffers=True"], facts["forward_sync_buffers=False"]
+        assert synced == {"equal_after_step_1": False, "step_2_forward_saw_rank0_values": True, "equal_after_step_2": False}
+        assert unsynced["step_2_forward_saw_rank0_values"] == (rank == 0)
+        assert facts["broadcast_buffers_warns"][0].startswith("FutureWarning: `broadcast_buffers` is deprecated")
+    for facts in report["sync_batchnorm"]:
+        assert "GPU" in facts["sync_batchnorm_on_cpu_error"] and facts["global_stats_match_one_process"]
+    for facts in report["change_after_wrapping"]:
+        assert facts["replaced"].startswith("Expected to have finished reduction")
+        assert facts["added"] == {"body_equal_on_every_rank": True, "added_equal_on_every_rank": False}
+
+
+@pytest.mark.timeout(300)
+def test_hooks_and_overlap(job):
+    report, traces = job
+    for facts in report["tensor_hook"]:
+        assert not facts["hook_grad_equal_on_every_rank"] and facts["final_grad_equal_on_every_rank"]
+        assert facts["final_is_mean_of_hook_grads"]
+    hooks = report["comm_hooks"][0]
+    assert hooks["mean"]["matches_builtin"] and hooks["blocking"]["matches_builtin"]
+    assert not hooks["sum"]["matches_builtin"] and hooks["sum"]["min_ratio"] == hooks["sum"]["max_ratio"] == 2.0
+    for name, overlapped in (("builtin", True), ("blocking", False)):
+        rows = profiling.overlap_summary(profiling.read_traces(traces / name))
+        assert len(rows) == 4
+        for row in rows:
+            assert (row["all_reduces"], row["launched_before_compute_end"], row["started_before_backward_end"]) == (6, 5, 6)
+            assert row["overlapped"] is overlapped, (name, row)
+
+
+@pytest.mark.timeout(120)
+def test_the_spawn_launcher_runs_two_ranks():
+    result = run_command([sys.executable, str(SCRIPTS / "ddp_internals_spawn.py"), "--nprocs", "2"], timeout_s=90)
+    assert result.ok, result.describe()
+    assert sorted(result.stdout.splitlines()) == [f"[rank {r} of 2] all_reduce of the ranks' ids: 1" for r in (0, 1)]
+
+
+@pytest.mark.timeout(120)
+def test_spawning_a_function_without_a_module_file_fails():
+    program = "import torch.multiprocessing as mp\ndef square(i):\n    return i * i\nmp.spawn(square, nprocs=1)\n"
+    finished = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=90,
+                              env=child_environment(os.environ, 1, None, False))  # fmt: skip
+    assert finished.returncode != 0
+    assert "Can't get attribute 'square'" in finished.stderr
+    assert "ProcessExitedException: process 0 terminated with exit code 1" in finished.stderr

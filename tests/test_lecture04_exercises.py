@@ -1,0 +1,117 @@
+"""Lecture 04's exercise checks accept the solutions and reject the stubs and plausible wrong answers.
+
+The solutions notebook runs once in this process (module fixture; its checks run real DDP in a
+one-process gloo group, a few seconds). Each test swaps in a wrong answer a learner might write,
+runs the exercise's own check and expects "not yet"; the lecture's stubs must make the checks say
+"not solved yet".
+"""
+
+import pytest
+
+from ddp_course.launch import REPO_ROOT
+from ddp_course.notebooks import code_cell_sources, replaced, run_all_cells, run_source
+
+LECTURE = REPO_ROOT / "lectures" / "04_ddp_internals.ipynb"
+SOLUTIONS = REPO_ROOT / "solutions" / "04_ddp_internals_solutions.ipynb"
+FUNCTIONS = {1: "launch_sequence", 2: "fp16_mean_hook"}
+
+
+@pytest.fixture(scope="module")
+def solved():
+    return run_all_cells(SOLUTIONS)
+
+
+def verdict(namespace, number, **replacements):
+    with replaced(namespace, **replacements):
+        return run_source(f"check_exercise_{number}()", namespace).strip().splitlines()[-1]
+
+
+@pytest.mark.timeout(180)
+def test_the_solutions_pass(solved):
+    _, printed = solved
+    for number in FUNCTIONS:
+        assert printed[f"# Check exercise {number} (run after the cell above)"].strip().endswith(f"exercise {number}: correct")
+
+
+@pytest.mark.timeout(180)
+def test_the_lecture_stubs_are_not_solved(solved):
+    namespace, _ = solved
+    stubs = [source for source in code_cell_sources(LECTURE) if source.startswith("# Exercise ")]
+    assert len(stubs) == len(FUNCTIONS)
+    saved = {name: namespace[name] for name in FUNCTIONS.values()}
+    try:
+        for stub in stubs:
+            number = int(stub.split()[2].rstrip(":"))
+            run_source(stub, namespace)
+            assert verdict(namespace, number) == f"exercise {number}: not solved yet - fill in {FUNCTIONS[number]} above"
+    finally:
+        namespace.update(saved)
+
+
+@pytest.mark.timeout(180)
+def test_exercise_1_rejects_launching_out_of_order_or_too_late(solved):
+    namespace, _ = solved
+
+    def launch_when_ready(buckets, ready_order):  # forgets that launches go in bucket order
+        events, missing = [], [set(b) for b in buckets]
+        for name in ready_order:
+            events.append(("ready", name))
+            for index, bucket in enumerate(missing):
+                if name in bucket:
+                    bucket.discard(name)
+                    if not bucket:
+                        events.append(("launch", index))
+        return events
+
+    def launch_after_backward(buckets, ready_order):  # no overlap at all
+        return [("ready", name) for name in ready_order] + [("launch", i) for i in range(len(buckets))]
+
+    def launch_on_first_gradient(buckets, ready_order):  # a bucket goes when its first gradient is ready
+        events, launched = [], 0
+        for name in ready_order:
+            events.append(("ready", name))
+            while launched < len(buckets) and name in buckets[launched]:
+                events.append(("launch", launched))
+                launched += 1
+        return events + [("launch", i) for i in range(launched, len(buckets))]
+
+    for wrong in (launch_when_ready, launch_after_backward, launch_on_first_gradient):
+        assert verdict(namespace, 1, launch_sequence=wrong) == "exercise 1: not yet", wrong.__name__
+
+
+@pytest.mark.timeout(180)
+def test_exercise_2_rejects_sums_blocking_calls_and_wrong_dtypes(solved):
+    namespace, _ = solved
+    torch, dist = namespace["torch"], namespace["dist"]
+
+    def no_division(process_group, bucket):
+        buffer = bucket.buffer()
+        work = dist.all_reduce(buffer.to(torch.float16), async_op=True)
+        return work.get_future().then(lambda f: buffer.copy_(f.value()[0]))
+
+    def blocking(process_group, bucket):
+        buffer = bucket.buffer()
+        compressed = (buffer / dist.get_world_size()).to(torch.float16)
+        dist.all_reduce(compressed)
+        future = torch.futures.Future()
+        future.set_result(buffer.copy_(compressed))
+        return future
+
+    def waits_inside(process_group, bucket):
+        buffer = bucket.buffer()
+        compressed = (buffer / dist.get_world_size()).to(torch.float16)
+        dist.all_reduce(compressed, async_op=True).wait()
+        future = torch.futures.Future()
+        future.set_result(buffer.copy_(compressed))
+        return future
+
+    def not_compressed(process_group, bucket):
+        buffer = bucket.buffer().div_(dist.get_world_size())
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    def stays_float16(process_group, bucket):
+        compressed = (bucket.buffer() / dist.get_world_size()).to(torch.float16)
+        return dist.all_reduce(compressed, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    for wrong in (no_division, blocking, waits_inside, not_compressed, stays_float16):
+        assert verdict(namespace, 2, fp16_mean_hook=wrong) == "exercise 2: not yet", wrong.__name__
