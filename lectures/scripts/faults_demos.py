@@ -1,0 +1,186 @@
+"""Lecture 6's field-guide demos that do not hang: wrong results, a crash that raises, the flight recorder.
+
+    torchrun --standalone --nproc_per_node=2 lectures/scripts/faults_demos.py --json report.json --trace-dir traces
+
+Four demos on 2 gloo ranks, one after the other, each on its own process group so that one broken
+group does not stop the next demo:
+
+  order-swap      both ranks all-reduce two same-shaped tensors, in a different order (as when each
+                  process iterates over a set whose order differs). With TORCH_DISTRIBUTED_DEBUG=DETAIL
+                  on the group: no error - the fingerprints (op type, shapes, dtypes) agree - and
+                  every result is wrong. Only a check of the numbers sees it.
+  load-after-wrap rank 0 loads a checkpoint into the model AFTER DDP wrapped it (DDP broadcast rank
+                  0's weights only at construction). Training runs without an error and the replicas
+                  differ; an all-gathered checksum of the parameters shows it. Loading before the
+                  wrap, on every rank, keeps them identical.
+  unused-param    a DDP model with a layer forward() never uses, on every rank: the second iteration
+                  raises "Expected to have finished reduction ..." on EVERY rank (an error, not a
+                  hang); with TORCH_DISTRIBUTED_DEBUG=INFO when DDP is built, the error names the parameters.
+  flight-recorder TORCH_FR_BUFFER_SIZE (read when a group is created) keeps each rank's last
+                  collectives. Rank 0 calls one all-reduce more than rank 1 (which goes on to a barrier);
+                  both time out after --timeout-s, and each rank dumps its buffer into --trace-dir as
+                  fr_RANK (a pickle; torch._C._distributed_c10d._dump_fr_trace is private API, what
+                  NCCL's TORCH_NCCL_DUMP_ON_TIMEOUT=1 writes by itself).
+
+Rank 0 writes every demo's facts (booleans, counts, names: no timings) to --json. With --crash-at-exit,
+rank 1 then raises an exception (a stand-in for "CUDA out of memory") in a main() decorated with
+torch.distributed.elastic's @record, so torchrun's failure report shows the crash: Root Cause, the
+rank, its exit code and, from the error file @record writes, the exception. Otherwise the script
+exits 0. gloo only; on NCCL the same bugs behave as lecture 6,
+section 2 describes (not run here).
+"""
+
+import os
+
+os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "64")  # before any process group exists
+
+import pickle  # noqa: E402
+import sys  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from ddp_course.checkpoint import atomic_write_json  # noqa: E402
+from ddp_course.cli import CourseArgumentParser, positive_float  # noqa: E402
+from ddp_course.distributed import log, setup_distributed, teardown_distributed  # noqa: E402
+from ddp_course.faults import diagnose  # noqa: E402
+from ddp_course.seeding import seed_everything  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = CourseArgumentParser(prog="faults_demos.py", description="Lecture 6: wrong results, a raise, the flight recorder.")
+    parser.add_argument("--json", required=True, help="rank 0 writes every demo's facts here")
+    parser.add_argument("--trace-dir", required=True, help="each rank dumps its flight recorder here (fr_RANK)")
+    parser.add_argument("--timeout-s", type=positive_float, default=2.0, help="the flight-recorder demo's wait")
+    parser.add_argument("--crash-at-exit", action="store_true", help="rank 1 raises at the end: torchrun's failure report")
+    return parser.parse_args(argv)
+
+
+def group_with_debug(level):
+    """A new group created under a debug level (the level is read when a group or a DDP is built)."""
+    dist.set_debug_level(level)
+    try:
+        return dist.new_group()
+    finally:
+        dist.set_debug_level(dist.DebugLevel.OFF)
+
+
+def order_swap(rank: int) -> dict:
+    group = group_with_debug(dist.DebugLevel.DETAIL)
+    loss_sum, correct = torch.tensor([float(rank + 1)] * 2), torch.tensor([10.0 * (rank + 1)] * 2)
+    order = [loss_sum, correct] if rank == 0 else [correct, loss_sum]  # the bug
+    try:
+        for tensor in order:
+            dist.all_reduce(tensor, group=group)
+        error = None
+    except RuntimeError as caught:
+        error = str(diagnose(caught, rank))
+    right = loss_sum.tolist() == [3.0, 3.0] and correct.tolist() == [30.0, 30.0]  # 1 + 2, 10 + 20
+    return {"error": error, "results_right": right}
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self, use_head: bool = True):
+        super().__init__()
+        self.body, self.head, self.use_head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1), use_head
+
+    def forward(self, x):
+        hidden = self.body(x)
+        return self.head(hidden) if self.use_head else hidden  # use_head=False: head gets no gradient
+
+
+def replicas_identical(model) -> bool:
+    """The tool: all-gather one float64 checksum of the parameters and compare (cheap, any time)."""
+    checksum = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().reshape(1)
+    everyone = [torch.empty_like(checksum) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, checksum)
+    return all(torch.equal(c, everyone[0]) for c in everyone)
+
+
+def train_two_steps(load_after_wrap: bool, rank: int) -> bool:
+    seed_everything(0)
+    model = TwoLayers()
+    checkpoint = {k: v + 1.0 for k, v in model.state_dict().items()}  # "the checkpoint to resume from"
+    if not load_after_wrap:
+        model.load_state_dict(checkpoint)  # every rank, before the wrap: right
+    ddp_model = DDP(model)
+    if load_after_wrap and rank == 0:
+        model.load_state_dict(checkpoint)  # the bug: after the wrap, on rank 0 only
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        ddp_model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+    return replicas_identical(model)
+
+
+def unused_parameter(rank: int) -> dict:
+    dist.set_debug_level(dist.DebugLevel.INFO)  # = TORCH_DISTRIBUTED_DEBUG=INFO when DDP is built
+    try:
+        seed_everything(0)
+        ddp_model = DDP(TwoLayers(use_head=False), process_group=dist.new_group())
+    finally:
+        dist.set_debug_level(dist.DebugLevel.OFF)
+    for iteration in range(3):
+        try:
+            ddp_model(torch.ones(2, 4)).sum().backward()
+        except RuntimeError as error:
+            lines = str(error).splitlines()
+            named = [line.split(": ", 1)[1] for line in lines if line.startswith("Parameters which did not receive grad")]
+            return {"raised_at_iteration": iteration, "first_sentence": lines[0].split(". ")[0] + ".",
+                    "unused_named": named[0] if named else None}
+    return {"raised_at_iteration": None}
+
+
+def flight_recorder(rank: int, args) -> dict:
+    group = dist.new_group(timeout=timedelta(seconds=args.timeout_s), group_desc="hang_demo")
+    values = torch.ones(4)
+    dist.all_reduce(values, group=group)  # both ranks: collective 1
+    try:
+        if rank == 0:
+            dist.all_reduce(values, group=group)  # the bug: rank 0 only
+        dist.barrier(group)
+        kind = "no error"
+    except RuntimeError as error:
+        kind = diagnose(error, rank).kind
+    dump = torch._C._distributed_c10d._dump_fr_trace(includeCollectives=True)  # private API, see the docstring
+    path = Path(args.trace_dir) / f"fr_{rank}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(dump)
+    entries = [e for e in pickle.loads(dump)["entries"] if e["process_group"][1] == "hang_demo"]
+    return {"kind": kind, "entries": len(entries)}
+
+
+def run(ctx, args) -> dict:
+    facts = {"order_swap": order_swap(ctx.rank)}
+    facts["replicas_identical"] = {"load_after_wrap_on_rank0": train_two_steps(True, ctx.rank),
+                                   "load_before_wrap_everywhere": train_two_steps(False, ctx.rank)}
+    facts["unused_parameter"] = unused_parameter(ctx.rank)
+    facts["flight_recorder"] = flight_recorder(ctx.rank, args)
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, facts)  # the default group is still healthy
+    return {"per_rank": everyone}
+
+
+@record  # writes the exception to torchrun's error file, which its failure report prints
+def main(args) -> int:
+    ctx = setup_distributed("gloo", timeout_s=120)  # generous: only the flight-recorder group is short
+    try:
+        report = run(ctx, args)  # plain data: every DDP model is out of reach now
+        if ctx.is_main:
+            atomic_write_json(report, args.json)
+        log("demos done")
+        dist.barrier()  # the report is on disk before anyone crashes
+    finally:
+        teardown_distributed()
+    if args.crash_at_exit and ctx.rank == 1:
+        raise RuntimeError("CUDA out of memory (simulated by faults_demos.py --crash-at-exit)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))

@@ -1,0 +1,135 @@
+"""Lecture 06: exercises cannot drift from their solutions; the demo script and the NCCL names it cites hold.
+
+nbval re-runs the lecture and compares its printed summaries. This module checks what nbval cannot:
+each exercise cell is its solution with the marked parts replaced by a stub, the check cells are
+identical and their stored verdicts honest; faults_demos.py, launched once, shows every fact the
+lecture reads from it (and the flight-recorder dumps, including that torchfrtrace cannot read gloo's
+dumps in torch 2.14, which the lecture says); and the environment variables the lecture names for
+NCCL exist in the installed torch.
+"""
+
+import json
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_course.launch import REPO_ROOT, run_torchrun
+
+LECTURE = REPO_ROOT / "lectures" / "06_debugging_fault_tolerance.ipynb"
+SOLUTIONS = REPO_ROOT / "solutions" / "06_debugging_fault_tolerance_solutions.ipynb"
+FAULTS_DEMOS = REPO_ROOT / "lectures" / "scripts" / "faults_demos.py"
+STUB = "# YOUR CODE HERE (solution: solutions/06_debugging_fault_tolerance_solutions.ipynb)"
+
+
+def cells_titled(path, prefix):
+    """{first line: (source, stored stdout)} for the code cells whose source starts with prefix."""
+    found = {}
+    for cell in json.loads(path.read_text())["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and source.startswith(prefix):
+            stdout = "".join("".join(out.get("text", "")) for out in cell["outputs"] if out["output_type"] == "stream")
+            found[source.splitlines()[0]] = (source, stdout)
+    return found
+
+
+def without_solution(source, number):
+    pattern = re.compile(r"^( *)# SOLUTION START\n.*?^ *# SOLUTION END$", re.MULTILINE | re.DOTALL)
+    return pattern.sub(lambda m: f'{m.group(1)}{STUB}\n{m.group(1)}raise NotImplementedError("exercise {number}")', source)
+
+
+@pytest.mark.timeout(30)
+def test_each_exercise_is_its_solution_with_the_marked_parts_removed():
+    solutions, exercises = cells_titled(SOLUTIONS, "# Exercise "), cells_titled(LECTURE, "# Exercise ")
+    assert 2 <= len(solutions) <= 4 and solutions.keys() == exercises.keys()
+    for title, (solution, _) in solutions.items():
+        number = int(re.match(r"# Exercise (\d+):", title).group(1))
+        assert "# SOLUTION START" in solution, title
+        assert exercises[title][0] == without_solution(solution, number), title
+
+
+@pytest.mark.timeout(30)
+def test_check_cells_are_identical_and_stored_results_are_honest():
+    solution_checks, lecture_checks = cells_titled(SOLUTIONS, "# Check exercise "), cells_titled(LECTURE, "# Check exercise ")
+    assert solution_checks.keys() == lecture_checks.keys() and len(solution_checks) >= 2
+    for title, (source, stdout) in solution_checks.items():
+        number = re.match(r"# Check exercise (\d+)", title).group(1)
+        assert source == lecture_checks[title][0], title
+        assert stdout.strip().splitlines()[-1] == f"exercise {number}: correct", title
+        assert lecture_checks[title][1].strip().splitlines()[-1].startswith(f"exercise {number}: not solved yet"), title
+
+
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("faults_demos")
+    result = run_torchrun(FAULTS_DEMOS, ["--json", folder / "r.json", "--trace-dir", folder / "traces", "--crash-at-exit"],
+                          nproc=2, timeout_s=240)
+    report = json.loads((folder / "r.json").read_text()) if (folder / "r.json").exists() else None
+    return result, report, folder / "traces"
+
+
+@pytest.mark.timeout(300)
+def test_faults_demos_show_silent_errors_a_raise_on_every_rank_and_a_flight_recorder_dump(demos):
+    result, report, _ = demos
+    assert report is not None, result.describe()
+    for rank_facts in report["per_rank"]:
+        # Same-shaped collectives in another order: DETAIL raises nothing, every result is wrong.
+        assert rank_facts["order_swap"] == {"error": None, "results_right": False}
+        assert rank_facts["replicas_identical"] == {"load_after_wrap_on_rank0": False, "load_before_wrap_everywhere": True}
+        assert rank_facts["unused_parameter"] == {
+            "raised_at_iteration": 1, "unused_named": "head.bias, head.weight",
+            "first_sentence": "Expected to have finished reduction in the prior iteration before starting a new one."}
+        assert rank_facts["flight_recorder"]["kind"] in ("timeout", "peer gone")
+        assert rank_facts["flight_recorder"]["entries"] == 2
+
+
+@pytest.mark.timeout(300)
+def test_the_flight_recorder_dumps_show_the_first_disagreement_and_torchfrtrace_cannot_read_them(demos):
+    result, _, traces = demos
+    assert (traces / "fr_0").exists() and (traces / "fr_1").exists(), result.describe()
+    ops = {}
+    for rank in (0, 1):
+        dump = pickle.loads((traces / f"fr_{rank}").read_bytes())
+        ops[rank] = [(e["collective_seq_id"], e["profiling_name"], e["input_sizes"])
+                     for e in dump["entries"] if e["process_group"][1] == "hang_demo"]
+    assert ops[0] == [(1, "gloo:all_reduce", [[4]]), (2, "gloo:all_reduce", [[4]])]
+    assert ops[1] == [(1, "gloo:all_reduce", [[4]]), (2, "gloo:barrier", [])]
+    # The lecture says torchfrtrace stops on these gloo dumps in torch 2.14; if a new torch reads
+    # them, this fails and the lecture's sentence (section 2) must change.
+    from torch.distributed.flight_recorder.fr_trace import main as torchfrtrace
+
+    with pytest.raises(KeyError):
+        torchfrtrace([str(traces), "-p", "fr_"])
+
+
+@pytest.mark.timeout(300)
+def test_the_crash_at_exit_is_the_root_cause_of_torchruns_report_with_the_exception(demos):
+    result, _, _ = demos
+    assert not result.timed_out and result.returncode != 0, result.describe()
+    root_cause = result.stderr.split("Root Cause (first observed failure):")[1]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", root_cause), result.describe()
+    assert re.search(r"exitcode\s*: 1 ", root_cause) and "error.json" in root_cause, result.describe()
+    assert "RuntimeError: CUDA out of memory (simulated by faults_demos.py --crash-at-exit)" in root_cause
+
+
+LECTURE_NCCL_NAMES = (
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+)
+
+
+@pytest.mark.timeout(120)
+def test_the_nccl_variables_the_lecture_names_exist_in_this_torch():
+    text = "".join("".join(cell["source"]) for cell in json.loads(LECTURE.read_text())["cells"])
+    assert all(name in text for name in LECTURE_NCCL_NAMES)
+    libraries = [Path(torch.__file__).parent / "lib" / name for name in ("libtorch_cuda.so", "libtorch_cpu.so")]
+    blob = b"".join(path.read_bytes() for path in libraries if path.exists())
+    if b"ProcessGroupNCCL" not in blob:
+        pytest.skip("this torch build has no NCCL (CPU-only wheel): nothing to check the names against")
+    missing = [name for name in LECTURE_NCCL_NAMES if name.encode() not in blob]
+    assert not missing, missing
+    # torchrun gives its workers TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless set (the lecture says so)
+    agent = Path(torch.__file__).parent / "distributed" / "elastic" / "agent" / "server" / "local_elastic_agent.py"
+    assert re.search(r'"TORCH_NCCL_ASYNC_ERROR_HANDLING": os\.getenv\(\s*"TORCH_NCCL_ASYNC_ERROR_HANDLING", str\(1\)', agent.read_text())

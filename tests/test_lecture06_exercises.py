@@ -1,0 +1,115 @@
+"""Lecture 06's exercise checks accept the solutions and reject the stubs and plausible wrong answers.
+
+The solutions notebook's code cells run once in one namespace (module fixture, a few seconds). Each
+test swaps one function for a wrong answer a learner might write, runs the exercise's own check,
+and expects "not yet"; the lecture's stubs must make the checks say "not solved yet".
+"""
+
+import math
+
+import pytest
+
+from ddp_course.launch import REPO_ROOT
+from ddp_course.notebooks import code_cell_sources, replaced, run_all_cells, run_source
+
+LECTURE = REPO_ROOT / "lectures" / "06_debugging_fault_tolerance.ipynb"
+SOLUTIONS = REPO_ROOT / "solutions" / "06_debugging_fault_tolerance_solutions.ipynb"
+NAMES = {1: "first_disagreement", 2: "checkpoint_every_steps", 3: "replica_fingerprint"}
+
+
+@pytest.fixture(scope="module")
+def solved():
+    return run_all_cells(SOLUTIONS)
+
+
+def verdict(namespace, number, **replacements):
+    """Run check_exercise_<number> with some names replaced; return its last line."""
+    with replaced(namespace, **replacements):
+        return run_source(f"check_exercise_{number}()", namespace).strip().splitlines()[-1]
+
+
+@pytest.mark.timeout(120)
+def test_the_solutions_pass_their_checks(solved):
+    _, outputs = solved
+    for number in NAMES:
+        assert outputs[f"# Check exercise {number} (run after the cell above)"].strip().endswith(f"exercise {number}: correct")
+
+
+@pytest.mark.timeout(120)
+def test_the_lecture_stubs_fail_the_same_checks(solved):
+    namespace, _ = solved
+    stubs = [source for source in code_cell_sources(LECTURE) if source.startswith("# Exercise ")]
+    assert len(stubs) == len(NAMES)
+    saved = {name: namespace[name] for name in NAMES.values()}
+    try:
+        for stub in stubs:
+            number = int(stub.split()[2].rstrip(":"))
+            run_source(stub, namespace)
+            assert verdict(namespace, number) == f"exercise {number}: not solved yet - fill in {NAMES[number]} above"
+    finally:
+        namespace.update(saved)
+
+
+@pytest.mark.timeout(120)
+def test_exercise_1_rejects_index_pairing_names_only_and_ignoring_missing_entries(solved):
+    namespace, _ = solved
+    solution = namespace["first_disagreement"]
+
+    def by_index(entries_by_rank):  # pairs the i-th entries: wrong when buffers start at different numbers
+        lists = list(entries_by_rank.values())
+        for entries in zip(*lists):
+            if len({(e["profiling_name"], repr(e["input_sizes"])) for e in entries}) > 1:
+                return entries[0]["collective_seq_id"]
+        return None
+
+    def names_only(entries_by_rank):  # misses a shape mismatch
+        stripped = {r: [{**e, "input_sizes": []} for e in entries] for r, entries in entries_by_rank.items()}
+        return solution(stripped)
+
+    def common_numbers_only(entries_by_rank):  # a collective one rank never ran goes unnoticed
+        common = set.intersection(*({e["collective_seq_id"] for e in entries} for entries in entries_by_rank.values()))
+        kept = {r: [e for e in entries if e["collective_seq_id"] in common] for r, entries in entries_by_rank.items()}
+        return solution(kept)
+
+    for wrong in (by_index, names_only, common_numbers_only):
+        assert verdict(namespace, 1, first_disagreement=wrong) == "exercise 1: not yet", wrong.__name__
+
+
+@pytest.mark.timeout(120)
+def test_exercise_2_rejects_young_rounded_node_mtbf_missing_factor_and_seconds(solved):
+    namespace, _ = solved
+    solution = namespace["checkpoint_every_steps"]
+
+    def young(step_s, checkpoint_s, node_mtbf_s, nodes, restart_s):  # first order: off when C is not << M
+        return max(1, round(math.sqrt(2 * checkpoint_s * node_mtbf_s / nodes) / step_s))
+
+    def node_mtbf(step_s, checkpoint_s, node_mtbf_s, nodes, restart_s):  # one node's MTBF, not the job's
+        return solution(step_s, checkpoint_s, node_mtbf_s, 1, restart_s)
+
+    def without_factor_2(step_s, checkpoint_s, node_mtbf_s, nodes, restart_s):
+        return max(1, round(math.sqrt(checkpoint_s * node_mtbf_s / nodes) / step_s))
+
+    def seconds(step_s, checkpoint_s, node_mtbf_s, nodes, restart_s):  # the interval in seconds, not steps
+        return max(1, round(solution(step_s, checkpoint_s, node_mtbf_s, nodes, restart_s) * step_s))
+
+    for wrong in (young, node_mtbf, without_factor_2, seconds):
+        assert verdict(namespace, 2, checkpoint_every_steps=wrong) == "exercise 2: not yet", wrong.__name__
+
+
+@pytest.mark.timeout(120)
+def test_exercise_3_rejects_sums(solved):
+    namespace, _ = solved
+    torch = namespace["torch"]
+
+    def total_sum(model):  # misses swaps
+        return torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().reshape(1)
+
+    def per_tensor_sums(model):  # misses a swap inside a tensor
+        return torch.stack([p.detach().double().sum() for p in model.parameters()])
+
+    def weighted_float32_sum(model):  # catches swaps, loses a one-step change in float32 rounding
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        return (flat * torch.arange(1, len(flat) + 1, dtype=flat.dtype)).sum().reshape(1)
+
+    for wrong in (total_sum, per_tensor_sums, weighted_float32_sum):
+        assert verdict(namespace, 3, replica_fingerprint=wrong) == "exercise 3: not yet", wrong.__name__
