@@ -339,3 +339,12 @@ def test_bucketed_ddp_with_sharded_adam_matches_one_process(zero_run):
         assert record["max_rel_diff"] <= zero_run["tolerance"], record
     for record in on_every_rank(zero_run, "negative_zero_without_broadcast"):
         assert record["max_rel_diff"] > 100 * zero_run["tolerance"], record
+
+
+@pytest.mark.timeout(180)
+def test_sharded_optimizer_param_groups_follow_a_scheduler(zero_run):
+    """Groups with their own lr, halved every 2 steps by StepLR: the weights equal the unsharded optimizer's."""
+    for record in on_every_rank(zero_run, "zero_groups_and_scheduler"):
+        assert record["max_rel_diff"] == 0.0, record
+        assert record["lrs"] == [0.05 / 4, 0.1 / 4]  # the groups' own lr (0.05) and the default (0.1), halved twice
+        assert record["local_lrs"] == record["lrs"]  # step() copied them to this rank's shard

@@ -421,8 +421,34 @@ def zero_checks(ctx) -> list[dict]:
         for name, (optimizer_cls, kwargs) in optimizers.items():
             records.append({"world_size": size, "optimizer": name, **sharded_run(ctx, group, optimizer_cls, kwargs)})
     records.append(zero_with_ddp(ctx))
+    records.append(groups_and_scheduler_check(ctx))
     records.append(unbroadcast_control(ctx))
     return records
+
+
+def groups_and_scheduler_check(ctx) -> dict:
+    """Two parameter groups with their own learning rates, changed by a scheduler: as the unsharded optimizer."""
+    sharded, unsharded = build(ZeroNet), build(ZeroNet)
+
+    def groups(model):
+        parameters = list(model.parameters())  # 8 layers x (weight, bias): the first 4 layers, then the rest
+        return [{"params": parameters[:8], "lr": 0.05}, {"params": parameters[8:]}]
+
+    optimizers = [
+        minddp.ShardedOptimizer(groups(sharded), torch.optim.SGD, lr=LR, momentum=0.9),
+        torch.optim.SGD(groups(unsharded), lr=LR, momentum=0.9),
+    ]
+    schedulers = [torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) for optimizer in optimizers]
+    for step in range(STEPS):
+        for model, optimizer, scheduler in zip((sharded, unsharded), optimizers, schedulers):
+            full_batch_gradients(model, step)
+            optimizer.step()
+            scheduler.step()
+    return compare(
+        "zero_groups_and_scheduler", ctx, weights(sharded), weights(unsharded),
+        lrs=[group["lr"] for group in optimizers[0].param_groups],
+        local_lrs=[group["lr"] for group in optimizers[0].local_optimizer.param_groups],
+    )  # fmt: skip
 
 
 def unbroadcast_control(ctx) -> dict:
