@@ -93,6 +93,10 @@ class _DataParallel(nn.Module):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("create the process group first (ddp_course.setup_distributed() under torchrun)")
+        if getattr(module, "_wrapped_by_minddp", False):
+            # Hooks stay on the parameters: a second wrapper's collectives would mix with the first one's.
+            raise RuntimeError("this module is already wrapped; wrap each model once (build a new one to compare)")
+        module._wrapped_by_minddp = True
         self.module = module
         self.world_size = dist.get_world_size()
         self.require_gradient_sync = True  # False inside no_sync()

@@ -138,6 +138,12 @@ def test_construction_broadcasts_rank0_state(wrappers_run):
 
 
 @pytest.mark.timeout(180)
+def test_a_module_is_wrapped_once(wrappers_run):
+    for record in on_every_rank(wrappers_run, "wrap_twice_refused"):
+        assert record["message"] and "already wrapped" in record["message"], record
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("wrapper", ["overlap", "bucketed_several"])
 def test_second_backward_without_finish_raises(wrappers_run, wrapper):
     for record in on_every_rank(wrappers_run, "second_backward_raises", wrapper=wrapper):

@@ -242,6 +242,7 @@ def wrapper_checks(ctx) -> list[dict]:
     records += order_checks(ctx)
     records += negative_controls(ctx, reference)
     records.append(broadcast_check(ctx))
+    records.append(wrap_twice_check(ctx))
     records += [second_backward_check(ctx, name, runs[name]) for name in ("overlap", "bucketed_several")]
     records += exercise_checks(ctx)
     return records
@@ -331,6 +332,17 @@ def broadcast_check(ctx) -> dict:
         "differed_before": not all(torch.equal(seeds_differ[0], t) for t in seeds_differ),
         "equal_after": all(torch.equal(everyone[0], t) for t in everyone),
     }
+
+
+def wrap_twice_check(ctx) -> dict:
+    """A module already wrapped (its parameters carry hooks) is refused by a second wrapper."""
+    model = build(TiedNet)
+    minddp.BucketedDDP(model)
+    try:
+        minddp.OverlapDDP(model)
+    except RuntimeError as error:
+        return {"check": "wrap_twice_refused", "rank": ctx.rank, "message": str(error)}
+    return {"check": "wrap_twice_refused", "rank": ctx.rank, "message": None}
 
 
 def second_backward_check(ctx, name, wrap) -> dict:
