@@ -16,7 +16,8 @@ below, per part) and OUT_DIR/traces/trace_rank{0,1}.json (open them in https://u
   own DDP / no_sync timing of the same configuration (lab5_scaling.measure) for comparison;
 - hooks: the digits CNN trained with each communication hook; bytes all-reduced per step (the fp16
   and bf16 hooks send half of allreduce_hook's, PowerSGD far less), losses and test accuracy;
-  batched_powerSGD_hook fails on gloo here, and the record says how;
+  batched_powerSGD_hook fails in torch 2.14.1 (a shape assertion in its orthogonalisation), and
+  the record says how;
 - buckets: lab 5's measurement for each --bucket-caps value (DDP's default, then MiB sizes);
 - accumulation: all-reduce calls and bytes per optimizer step with and without no_sync;
 - zero: optimizer-state bytes per rank for Adam and for ZeroRedundancyOptimizer(Adam).
@@ -193,7 +194,7 @@ def hooks_part(ctx, args) -> dict:
         for name in args.hooks:
             try:
                 results[name] = train_with_hook(ctx, name, args, counter)
-            except Exception as error:  # a hook this backend cannot run: record how it fails, go on
+            except Exception as error:  # a hook that fails (batched_powerSGD in torch 2.14.1): record how, go on
                 first_line = (str(error).strip().splitlines() or [""])[0]
                 results[name] = {"failed": f"{type(error).__name__}: {first_line}".rstrip(": ")}
                 gc.collect()  # the half-finished DDP model goes before the next collective
