@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,47 @@ def replaced(namespace: dict, **replacements):
         yield namespace
     finally:
         namespace.update(saved)
+
+
+# An exercise cell is its solution cell with every marked block replaced by a stub that raises.
+SOLUTION_BLOCK = re.compile(r"^( *)# SOLUTION START\n.*?^ *# SOLUTION END$", re.MULTILINE | re.DOTALL)
+
+
+def cells_titled(path: str | Path, prefix: str) -> dict[str, tuple[str, str]]:
+    """{first line: (source, stored stdout)} for the code cells whose source starts with prefix.
+
+    Exercise cells start with "# Exercise N: ...", their checks with "# Check exercise N ...".
+    """
+    found = {}
+    for cell in json.loads(Path(path).read_text())["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and source.startswith(prefix):
+            stdout = "".join("".join(out.get("text", "")) for out in cell["outputs"] if out["output_type"] == "stream")
+            found[source.splitlines()[0]] = (source, stdout)
+    return found
+
+
+def without_solution(solution_source: str, number: int, solutions_path: str) -> str:
+    """The exercise a learner sees: each `# SOLUTION START` ... `# SOLUTION END` block becomes a stub
+    that names where the solution is and raises, at the block's indentation."""
+
+    def stub(match: re.Match) -> str:
+        indent = match.group(1)
+        return f'{indent}# YOUR CODE HERE (solution: {solutions_path})\n{indent}raise NotImplementedError("exercise {number}")'
+
+    return SOLUTION_BLOCK.sub(stub, solution_source)
+
+
+def run_check(namespace: dict, number: int, **replacements) -> str:
+    """Run a notebook's check_exercise_<number>() with some names replaced (a wrong answer, say);
+    return everything it printed. Its verdict is the last line."""
+    with replaced(namespace, **replacements):
+        return run_source(f"check_exercise_{number}()", namespace)
+
+
+def check_verdict(namespace: dict, number: int, **replacements) -> str:
+    """The last line run_check() printed: "exercise N: correct", "... not yet ..." or "... not solved yet ..."."""
+    return run_check(namespace, number, **replacements).strip().splitlines()[-1]
 
 
 def main(paths: list[str]) -> int:

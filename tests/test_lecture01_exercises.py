@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import code_cell_sources, replaced, run_all_cells, run_source
+from ddp_course.notebooks import code_cell_sources, run_all_cells, run_check, run_source
 
 LECTURE = REPO_ROOT / "lectures" / "01_data_parallelism.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "01_data_parallelism_solutions.ipynb"
@@ -22,11 +22,6 @@ def solved():
     """The solutions notebook's namespace after running every cell, and each cell's output."""
     return run_all_cells(SOLUTIONS)
 
-
-def check(namespace, number, **replacements):
-    """Run check_exercise_<number> with some names replaced; return everything it printed."""
-    with replaced(namespace, **replacements):
-        return run_source(f"check_exercise_{number}()", namespace)
 
 
 @pytest.mark.timeout(60)
@@ -47,7 +42,7 @@ def test_the_lecture_stubs_fail_the_same_checks(solved):
     try:
         for number, stub in enumerate(stubs, start=1):
             run_source(stub, namespace)
-            assert check(namespace, number).strip() == f"exercise {number}: not solved yet - fill in {names[number]} above"
+            assert run_check(namespace, number).strip() == f"exercise {number}: not solved yet - fill in {names[number]} above"
     finally:
         namespace.update(saved)
 
@@ -64,8 +59,8 @@ def test_exercises_1_and_2_reject_the_classic_mistakes(solved):
         for images, labels in micro_batches:
             F.cross_entropy(model(images), labels).backward()  # not divided by the number of micro-batches
 
-    assert "exercise 1: not yet" in check(namespace, 1, rank_token_loss=mean_per_rank)
-    assert "exercise 2: not yet" in check(namespace, 2, accumulate_gradients=sum_of_means)
+    assert "exercise 1: not yet" in run_check(namespace, 1, rank_token_loss=mean_per_rank)
+    assert "exercise 2: not yet" in run_check(namespace, 2, accumulate_gradients=sum_of_means)
 
 
 def local_gradients(x, w1_r, w2_r, grad_y):
@@ -83,7 +78,7 @@ def test_exercise_3_accepts_autograd_inside_a_rank(solved):
         grad_x, grad_w1_r, grad_w2_r = local_gradients(x, w1_r, w2_r, grad_y)
         return all_reduce(grad_x), grad_w1_r, grad_w2_r
 
-    assert "exercise 3: correct" in check(namespace, 3, rank_backward=with_autograd)
+    assert "exercise 3: correct" in run_check(namespace, 3, rank_backward=with_autograd)
 
 
 @pytest.mark.timeout(60)
@@ -107,7 +102,7 @@ def test_exercise_3_rejects_misplaced_or_extra_all_reduces(solved):
         return grad_x, grad_w1_r, grad_w2_r
 
     for wrong in (no_communication, all_reduce_everything, average_grad_y):
-        assert "exercise 3: not yet" in check(namespace, 3, rank_backward=wrong), wrong.__name__
+        assert "exercise 3: not yet" in run_check(namespace, 3, rank_backward=wrong), wrong.__name__
 
     # A collective that only one rank calls is an error after the timeout, not a hang.
     torch.manual_seed(0)

@@ -13,7 +13,12 @@ import torch
 from torch.utils.data import DistributedSampler, Sampler
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import code_cell_sources, replaced, run_all_cells, run_source
+from ddp_course.notebooks import (
+    check_verdict,
+    code_cell_sources,
+    run_all_cells,
+    run_source,
+)
 
 LECTURE = REPO_ROOT / "lectures" / "03_samplers.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "03_samplers_solutions.ipynb"
@@ -24,11 +29,6 @@ def solved():
     """The solutions notebook's namespace after running every cell, and each check's output."""
     return run_all_cells(SOLUTIONS)
 
-
-def check(namespace, number, **replacements):
-    """Run check_exercise_<number> with some names replaced; return its verdict line."""
-    with replaced(namespace, **replacements):
-        return run_source(f"check_exercise_{number}()", namespace).strip().splitlines()[-1]
 
 
 @pytest.mark.timeout(120)
@@ -48,7 +48,7 @@ def test_the_lecture_stubs_fail_the_same_checks(solved):
         for title, stub in stubs.items():
             number = int(title.split()[2].rstrip(":"))
             run_source(stub, namespace)
-            assert check(namespace, number) == f"exercise {number}: not solved yet - " + {
+            assert check_verdict(namespace, number) == f"exercise {number}: not solved yet - " + {
                 1: "fill in rank_eval_sums above", 2: "fill in resume_shard above",
                 3: "fill in BlockDistributedSampler above"}[number]
     finally:
@@ -82,8 +82,8 @@ def test_exercise_1_rejects_padding_and_means_of_batch_means(solved):
         sums[2] = sum(batch_means) / max(len(batch_means), 1) * sums[1]  # ... and the loss from batch means
         return sums
 
-    assert check(namespace, 1, rank_eval_sums=counts_the_padding) == "exercise 1: not yet"
-    assert check(namespace, 1, rank_eval_sums=averages_batch_means) == "exercise 1: not yet"
+    assert check_verdict(namespace, 1, rank_eval_sums=counts_the_padding) == "exercise 1: not yet"
+    assert check_verdict(namespace, 1, rank_eval_sums=averages_batch_means) == "exercise 1: not yet"
 
 
 @pytest.mark.timeout(120)
@@ -103,8 +103,8 @@ def test_exercise_2_rejects_the_same_world_size_answer_and_blocks(solved):
         size = math.ceil(len(rest) / new_world_size)
         return rest[new_rank * size:(new_rank + 1) * size]
 
-    assert check(namespace, 2, resume_shard=slice_a_new_sampler) == "exercise 2: not yet"
-    assert check(namespace, 2, resume_shard=contiguous_pieces) == "exercise 2: not yet"
+    assert check_verdict(namespace, 2, resume_shard=slice_a_new_sampler) == "exercise 2: not yet"
+    assert check_verdict(namespace, 2, resume_shard=contiguous_pieces) == "exercise 2: not yet"
 
 
 @pytest.mark.timeout(120)
@@ -140,4 +140,4 @@ def test_exercise_3_rejects_scattered_reads_uneven_shards_and_global_randomness(
             return iter(order[self.rank * len(self):(self.rank + 1) * len(self)])
 
     for wrong in (Strided, WholeFilesRoundRobin, GlobalRandomState):
-        assert check(namespace, 3, BlockDistributedSampler=wrong) == "exercise 3: not yet", wrong.__name__
+        assert check_verdict(namespace, 3, BlockDistributedSampler=wrong) == "exercise 3: not yet", wrong.__name__

@@ -9,7 +9,12 @@ runs the exercise's own check and expects "not yet"; the lecture's stubs must ma
 import pytest
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import code_cell_sources, replaced, run_all_cells, run_source
+from ddp_course.notebooks import (
+    check_verdict,
+    code_cell_sources,
+    run_all_cells,
+    run_source,
+)
 
 LECTURE = REPO_ROOT / "lectures" / "04_ddp_internals.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "04_ddp_internals_solutions.ipynb"
@@ -20,10 +25,6 @@ FUNCTIONS = {1: "launch_sequence", 2: "fp16_mean_hook"}
 def solved():
     return run_all_cells(SOLUTIONS)
 
-
-def verdict(namespace, number, **replacements):
-    with replaced(namespace, **replacements):
-        return run_source(f"check_exercise_{number}()", namespace).strip().splitlines()[-1]
 
 
 @pytest.mark.timeout(180)
@@ -43,7 +44,7 @@ def test_the_lecture_stubs_are_not_solved(solved):
         for stub in stubs:
             number = int(stub.split()[2].rstrip(":"))
             run_source(stub, namespace)
-            assert verdict(namespace, number) == f"exercise {number}: not solved yet - fill in {FUNCTIONS[number]} above"
+            assert check_verdict(namespace, number) == f"exercise {number}: not solved yet - fill in {FUNCTIONS[number]} above"
     finally:
         namespace.update(saved)
 
@@ -76,7 +77,7 @@ def test_exercise_1_rejects_launching_out_of_order_or_too_late(solved):
         return events + [("launch", i) for i in range(launched, len(buckets))]
 
     for wrong in (launch_when_ready, launch_after_backward, launch_on_first_gradient):
-        assert verdict(namespace, 1, launch_sequence=wrong) == "exercise 1: not yet", wrong.__name__
+        assert check_verdict(namespace, 1, launch_sequence=wrong) == "exercise 1: not yet", wrong.__name__
 
 
 @pytest.mark.timeout(180)
@@ -114,4 +115,4 @@ def test_exercise_2_rejects_sums_blocking_calls_and_wrong_dtypes(solved):
         return dist.all_reduce(compressed, async_op=True).get_future().then(lambda f: f.value()[0])
 
     for wrong in (no_division, blocking, waits_inside, not_compressed, stays_float16):
-        assert verdict(namespace, 2, fp16_mean_hook=wrong) == "exercise 2: not yet", wrong.__name__
+        assert check_verdict(namespace, 2, fp16_mean_hook=wrong) == "exercise 2: not yet", wrong.__name__

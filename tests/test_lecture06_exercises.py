@@ -10,7 +10,12 @@ import math
 import pytest
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import code_cell_sources, replaced, run_all_cells, run_source
+from ddp_course.notebooks import (
+    check_verdict,
+    code_cell_sources,
+    run_all_cells,
+    run_source,
+)
 
 LECTURE = REPO_ROOT / "lectures" / "06_debugging_fault_tolerance.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "06_debugging_fault_tolerance_solutions.ipynb"
@@ -21,11 +26,6 @@ NAMES = {1: "first_disagreement", 2: "checkpoint_every_steps", 3: "replica_finge
 def solved():
     return run_all_cells(SOLUTIONS)
 
-
-def verdict(namespace, number, **replacements):
-    """Run check_exercise_<number> with some names replaced; return its last line."""
-    with replaced(namespace, **replacements):
-        return run_source(f"check_exercise_{number}()", namespace).strip().splitlines()[-1]
 
 
 @pytest.mark.timeout(120)
@@ -45,7 +45,7 @@ def test_the_lecture_stubs_fail_the_same_checks(solved):
         for stub in stubs:
             number = int(stub.split()[2].rstrip(":"))
             run_source(stub, namespace)
-            assert verdict(namespace, number) == f"exercise {number}: not solved yet - fill in {NAMES[number]} above"
+            assert check_verdict(namespace, number) == f"exercise {number}: not solved yet - fill in {NAMES[number]} above"
     finally:
         namespace.update(saved)
 
@@ -72,7 +72,7 @@ def test_exercise_1_rejects_index_pairing_names_only_and_ignoring_missing_entrie
         return solution(kept)
 
     for wrong in (by_index, names_only, common_numbers_only):
-        assert verdict(namespace, 1, first_disagreement=wrong) == "exercise 1: not yet", wrong.__name__
+        assert check_verdict(namespace, 1, first_disagreement=wrong) == "exercise 1: not yet", wrong.__name__
 
 
 @pytest.mark.timeout(120)
@@ -93,7 +93,7 @@ def test_exercise_2_rejects_young_rounded_node_mtbf_missing_factor_and_seconds(s
         return max(1, round(solution(step_s, checkpoint_s, node_mtbf_s, nodes, restart_s) * step_s))
 
     for wrong in (young, node_mtbf, without_factor_2, seconds):
-        assert verdict(namespace, 2, checkpoint_every_steps=wrong) == "exercise 2: not yet", wrong.__name__
+        assert check_verdict(namespace, 2, checkpoint_every_steps=wrong) == "exercise 2: not yet", wrong.__name__
 
 
 @pytest.mark.timeout(120)
@@ -112,4 +112,4 @@ def test_exercise_3_rejects_sums(solved):
         return (flat * torch.arange(1, len(flat) + 1, dtype=flat.dtype)).sum().reshape(1)
 
     for wrong in (total_sum, per_tensor_sums, weighted_float32_sum):
-        assert verdict(namespace, 3, replica_fingerprint=wrong) == "exercise 3: not yet", wrong.__name__
+        assert check_verdict(namespace, 3, replica_fingerprint=wrong) == "exercise 3: not yet", wrong.__name__
