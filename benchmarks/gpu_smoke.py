@@ -6,7 +6,9 @@ Run it first on any GPU machine, before teaching from it: each lab script runs u
 `torchrun --standalone --nproc_per_node=<GPU count> ... --backend nccl` with a timeout, and the
 script prints one line per lab - PASS or FAIL, wall time, the lab's key figure (lab 1: bus
 bandwidth at the largest message; lab 2: checks passed; lab 3: held-out accuracy; lab 4: the
-solution's accuracy; lab 5: samples/s and the communication fraction) - then `N passed, M failed`.
+solution's accuracy; lab 5: samples/s and the communication fraction; lab 6: every from-scratch wrapper's check and
+BucketedDDP's step time against torch DDP's; lab 7: accuracy after a checkpointed run, and the Join
+scenario of the hang lab, which needs 2 GPUs) - then `N passed, M failed`.
 The exit status is 0 only when every lab passed. On a machine without a CUDA GPU it says so in one
 line and exits 0 (pytest covers the CPU path).
 
@@ -70,6 +72,25 @@ def accuracy_figure(file_name: str) -> Callable[[Path], str]:
     return figure
 
 
+def lab6_figure(out: Path) -> str:
+    """Every from-scratch wrapper passed lab 6's check; BucketedDDP's step time against torch DDP's."""
+    records = {record["impl"]: record for record in read_json(out / "lab6.json")}
+    failed = sorted(impl for impl, record in records.items() if not record["check_passed"])
+    if failed:
+        raise KeyFigureError(f"check failed for {', '.join(failed)}")
+    return f"{len(records)}/{len(records)} impls match one process; bucketed/torch step time {records['bucketed']['vs_torch_ddp']:.2f}"
+
+
+def lab7_hangs_figure(out: Path) -> str:
+    """The Join scenario finished with identical weights that follow the Join rule."""
+    report = read_json(out / "hangs.json")
+    line = report["line"]
+    proofs = ("identical weights on every rank: True", "equal to the Join rule computed in one process: True")
+    if report["status"] != 0 or not all(proof in line for proof in proofs):
+        raise KeyFigureError(f"the Join scenario did not end correctly: {line}")
+    return f"{line.split(';')[0]}, identical weights equal to the Join rule"
+
+
 def lab5_figure(out: Path) -> str:
     record = read_json(out / "lab5.json")
     return f"{record['samples_per_s']:.0f} samples/s, comm fraction {record['comm_fraction']:.2f}"
@@ -82,6 +103,7 @@ class LabRun:
     args: tuple[str, ...]  # "{out}" stands for a fresh directory of this run
     key_figure: Callable[[Path], str]
     gpu_only: bool = False  # e.g. --amp, which the labs refuse on the CPU
+    min_ranks: int = 1  # a lab that needs more processes than the machine has GPUs is skipped
     timeout_s: float = 300
 
     def command_args(self, out: Path, backend: str) -> list[str]:
@@ -99,6 +121,13 @@ LAB_RUNS = (
     LabRun("lab4_solution", "solutions/lab4_broken_ddp.py", ("--max-steps", "10", "--metrics-json", "{out}/lab4.json"), accuracy_figure("lab4.json")),
     LabRun("lab5", "labs/lab5_scaling.py",
            ("--config", "comm_bound", "--warmup-steps", "1", "--steps", "2", "--repeats", "1", "--json", "{out}/lab5.json"), lab5_figure),
+    LabRun("lab6", "labs/lab6_ddp_from_scratch.py",
+           ("--module", "solutions", "--impl", "all", "--check-steps", "3", "--warmup-steps", "1", "--steps", "2",
+            "--repeats", "1", "--json", "{out}/lab6.json"), lab6_figure),
+    LabRun("lab7", "labs/lab7_fault_tolerance.py",
+           ("--max-steps", "20", "--checkpoint-dir", "{out}/checkpoints", "--metrics-json", "{out}/lab7.json"), accuracy_figure("lab7.json")),
+    LabRun("lab7_hangs_join", "labs/lab7_hangs.py", ("--scenario", "uneven-join", "--json", "{out}/hangs.json"), lab7_hangs_figure,
+           min_ranks=2),
     LabRun("lab5_resnet18_amp", "labs/lab5_scaling.py",
            ("--config", "resnet18", "--amp", "--warmup-steps", "2", "--steps", "5", "--repeats", "1", "--json", "{out}/lab5.json"), lab5_figure, gpu_only=True),
 )  # fmt: skip
@@ -165,6 +194,9 @@ def main() -> int:
     root = args.keep or Path(tempfile.mkdtemp(prefix="gpu_smoke_"))
     outcomes = []
     for lab in (lab for lab in LAB_RUNS if lab.name in names):
+        if gpus < lab.min_ranks:
+            print(f"SKIP  {lab.name:<18} needs {lab.min_ranks} GPUs, this machine has {gpus}", flush=True)
+            continue
         out = root / lab.name
         out.mkdir(parents=True, exist_ok=True)
         result = run_torchrun(REPO_ROOT / lab.script, lab.command_args(out, "nccl"), nproc=gpus, timeout_s=lab.timeout_s, use_gpus=True)

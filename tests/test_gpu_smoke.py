@@ -33,6 +33,14 @@ SAMPLES = {
     "lab4_solution": ("lab4.json", {"backend": "nccl", "eval_accuracy": 0.09749303621169916}, "held-out accuracy 9.7%"),
     "lab5": ("lab5.json", {"backend": "nccl", "comm_fraction": 0.4784563600866918, "samples_per_s": 19.711300798215827},
              "20 samples/s, comm fraction 0.48"),
+    "lab6": ("lab6.json", [{"impl": impl, "check_passed": True, "vs_torch_ddp": ratio}
+                           for impl, ratio in (("naive", 3.378), ("overlap", 1.989), ("bucketed", 0.893), ("torch", 1.0))],
+             "4/4 impls match one process; bucketed/torch step time 0.89"),
+    "lab7": ("lab7.json", {"attempt": 0, "backend": "nccl", "eval_accuracy": 0.7827298050139275, "steps": 20}, "held-out accuracy 78.3%"),
+    "lab7_hangs_join": ("hangs.json", {"scenario": "uneven-join", "status": 0, "line": (
+        "finished: steps per rank [2, 3]; identical weights on every rank: True; "
+        "equal to the Join rule computed in one process: True")},
+        "finished: steps per rank [2, 3], identical weights equal to the Join rule"),
 }  # fmt: skip
 
 
@@ -53,13 +61,32 @@ def test_every_lab_in_the_table_has_a_sample():
     cpu_labs = {lab.name for lab in smoke.LAB_RUNS if not lab.gpu_only}
     assert cpu_labs == set(SAMPLES)
     assert {lab.script for lab in smoke.LAB_RUNS} >= {"labs/lab1_collectives.py", "labs/lab2_sampler.py", "labs/lab2_join.py",
-                                                      "labs/lab3_ddp.py", "solutions/lab4_broken_ddp.py", "labs/lab5_scaling.py"}
+                                                      "labs/lab3_ddp.py", "solutions/lab4_broken_ddp.py", "labs/lab5_scaling.py",
+                                                      "labs/lab6_ddp_from_scratch.py", "labs/lab7_fault_tolerance.py", "labs/lab7_hangs.py"}
 
 
 def test_a_failed_check_fails_the_lab_even_with_exit_status_0(tmp_path):
     (tmp_path / "lab2.json").write_text(json.dumps({"checks": {"coverage": True, "disjoint": False}}))
     outcome = smoke.judge(LABS["lab2_sampler"], finished(), tmp_path)
     assert not outcome.passed and outcome.detail == "ran, but checks failed: disjoint"
+
+
+def test_a_wrapper_that_fails_lab6s_check_fails_the_lab(tmp_path):
+    records = [{"impl": "bucketed", "check_passed": False, "vs_torch_ddp": 0.9}, {"impl": "torch", "check_passed": True, "vs_torch_ddp": 1.0}]
+    (tmp_path / "lab6.json").write_text(json.dumps(records))
+    outcome = smoke.judge(LABS["lab6"], finished(), tmp_path)
+    assert not outcome.passed and outcome.detail == "ran, but check failed for bucketed"
+
+
+def test_join_weights_that_differ_fail_the_hang_lab(tmp_path):
+    line = "finished: steps per rank [2, 3]; identical weights on every rank: False; equal to the Join rule computed in one process: False"
+    (tmp_path / "hangs.json").write_text(json.dumps({"status": 0, "line": line}))
+    outcome = smoke.judge(LABS["lab7_hangs_join"], finished(), tmp_path)
+    assert not outcome.passed and outcome.detail.startswith("ran, but the Join scenario did not end correctly")
+
+
+def test_a_lab_needing_more_ranks_than_gpus_is_marked():
+    assert LABS["lab7_hangs_join"].min_ranks == 2 and all(lab.min_ranks == 1 for lab in smoke.LAB_RUNS if lab.name != "lab7_hangs_join")
 
 
 def test_a_crashed_lab_fails_with_its_last_error_line(tmp_path):
