@@ -33,7 +33,6 @@ closed on giving up), and the job exits with status 1; with --join, the steps ea
 and 30), identical weights on every rank, and the held-out accuracy of the trained model.
 """
 
-import re
 import sys
 
 import torch
@@ -47,6 +46,7 @@ from ddp_course.checkpoint import atomic_write_json
 from ddp_course.cli import CourseArgumentParser, positive_float, positive_int
 from ddp_course.data import load_digits
 from ddp_course.distributed import BACKENDS, log, setup_distributed, teardown_distributed
+from ddp_course.faults import first_line
 from ddp_course.models import DigitsCNN
 from ddp_course.seeding import seed_everything
 
@@ -78,11 +78,6 @@ NCCL_NOTE = (
     "Python error. TORCH_NCCL_BLOCKING_WAIT=1 makes the wait raise in Python instead; "
     "TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 records which collective each rank was in."
 )
-
-
-def first_line(error: Exception) -> str:
-    """The first line of a torch.distributed error, without gloo's "[path/to/file.cc:123] " prefix."""
-    return re.sub(r"^\[[^\]]*\]\s*", "", str(error).splitlines()[0])
 
 
 def same_weights_everywhere(model, ctx) -> bool:
@@ -117,7 +112,7 @@ def train(ctx, args) -> dict | None:
         dist.barrier()  # the end of the epoch, where a rank that ran out of batches waits
     except RuntimeError as error:  # a collective timed out, or a peer that gave up closed its connection
         where = "at the end-of-epoch barrier" if steps == len(loader) else f"in the gradient all-reduce of step {steps + 1}"
-        log(f"stopped {where} (of {len(loader)} batches): {first_line(error)}", every_rank=True)
+        log(f"stopped {where} (of {len(loader)} batches): {first_line(str(error))}", every_rank=True)
         return None
     steps_per_rank = torch.zeros(ctx.world_size, dtype=torch.long, device=ctx.device)
     steps_per_rank[ctx.rank] = steps
