@@ -5,15 +5,28 @@ Only the boring parts live here; each lab keeps inline the DDP lines it teaches.
     distributed  setup_distributed() / teardown_distributed(), DistContext, rank-aware log()
     cli          argument types that fail with one clear line, CourseError and its reporting
     seeding      seed_everything() and the RNG states a checkpoint must carry
-    data         the offline digits dataset and CIFAR-10 (prepared collectively: one download per job)
-    models       DigitsCNN and the CIFAR-10 resnet18
+    data         the offline digits dataset, CIFAR-10 (prepared collectively: one download per job) and
+                 the standard library's source as character-level text (lab 6)
+    models       DigitsCNN, the CIFAR-10 resnet18 and CharTransformer (lab 6's decoder-only transformer)
     compare      max_relative_difference() between two state_dicts
     checkpoint   atomic, rank-0 checkpoints that load with weights_only=True
+    training     what lab 3 and lab 7 share: training-state save/restore (model, optimizer, position in
+                 the epoch, every rank's RNG state), job-wide evaluation, rank 0's buffers, CPU weights
+    resume       ResumableDistributedSampler: start an epoch at a count of samples consumed, on any
+                 world size; RESTART_SAFE_ENV for torchrun restarts on gloo
+    multinode    several torchrun agents on one machine (c10d rendezvous on 127.0.0.1, a free port);
+                 losing one, as a node is lost
+    faults       name a torch.distributed error's kind in one deterministic line (mismatch, missing
+                 rank, timeout, peer gone)
+    profiling    profile DDP steps per rank (chrome traces for Perfetto), read the backward span and
+                 all-reduce events, an overlap summary from start/end times, a timeline plot
     launch       run a script under torchrun in a subprocess, with a timeout, GPUs hidden unless asked;
                  import a script as a module to test its functions
     amp          which 16-bit type autocast uses on this GPU (bf16 native, else fp16 + GradScaler)
     reporting    text tables and scaling plots for the measurement labs
     notebooks    re-execute notebooks in place with stored outputs (python -m ddp_course.notebooks);
-                 read and run a notebook's code cells from a test
+                 read and run a notebook's code cells, exercises and checks from a test
+    exercises    generate an exercise file from its solution's BEGIN/END SOLUTION regions
+                 (python -m ddp_course.exercises SOLUTION EXERCISE [--check])
     portability  re-run every notebook under other CPU numerics (python -m ddp_course.portability)
 """
