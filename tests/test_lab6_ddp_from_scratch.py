@@ -74,6 +74,9 @@ def test_json_records_and_timing_table(solutions_job):
         assert record["step_time_s"] > 0 and record["step_time_no_sync_s"] > 0
     torch_record = records[IMPLS.index("torch")]
     assert torch_record["vs_torch_ddp"] == 1.0 and torch_record["module"] == "torch"
+    for record in records:  # ratios pair the timings of one repeat
+        paired = [mine / theirs for mine, theirs in zip(record["step_times_s"], torch_record["step_times_s"])]
+        assert record["vs_torch_ddp"] == pytest.approx(statistics.median(paired), rel=1e-12)
     assert records[0]["module"] == "solutions"
     assert "vs_torch_ddp" in result.stdout and "config: impls=naive,overlap,bucketed,torch" in result.stdout
 
@@ -112,6 +115,23 @@ def test_untouched_exercise_ends_with_one_line_naming_the_todo(exercise_job):
     assert len(errors) == 1, result.describe()
     assert "labs/minddp.py is not finished: TODO(lab 6, part 1)" in errors[0]
     assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr, result.describe()
+
+
+@pytest.mark.timeout(180)
+def test_a_wrapper_that_forgets_to_divide_fails_the_check(tmp_path):
+    """A plausible wrong answer: BucketedDDP without the division by the world size (every rank steps
+    with the sum of the gradients). Run as a learner's labs/minddp.py in a copy of the layout."""
+    (tmp_path / "labs").mkdir()
+    (tmp_path / "labs" / LAB6.name).write_text(LAB6.read_text())
+    division = "        bucket.buffer.div_(self.world_size)  # then the sum over ranks is the average\n"
+    solution = (REPO_ROOT / "solutions" / "minddp.py").read_text()
+    assert division in solution
+    (tmp_path / "labs" / "minddp.py").write_text(solution.replace(division, ""))
+    args = ["--impl", "bucketed", "--check-steps", "2", "--repeats", "0"]
+    result = run_torchrun(tmp_path / "labs" / LAB6.name, args, nproc=2, timeout_s=120, cwd=tmp_path)
+    assert result.returncode == 1, result.describe()
+    assert re.search(r"^  bucketed .* FAIL$", result.stdout, re.MULTILINE), result.describe()
+    assert "lab6_ddp_from_scratch.py: error: the check FAILED" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -157,3 +177,13 @@ def test_verdicts(lab6):
     assert lab6.verdict("no sync", {"max_abs_diff_vs_single_process": 1e-2, "max_abs_diff_vs_torch_ddp": 1e-2}, tolerance) == "differs (control)"
     # A control that matches would mean the check cannot tell synchronised from unsynchronised replicas.
     assert lab6.verdict("no sync", {"max_abs_diff_vs_single_process": 0.0, "max_abs_diff_vs_torch_ddp": 0.0}, tolerance) != "differs (control)"
+
+
+def test_ratios_pair_timings_of_the_same_repeat(lab6):
+    """The machine slowed down tenfold during repeat 2, between naive's and torch's timings: the median of
+    paired ratios is still 2, where the ratio of the medians (20 / 5.5) would say 3.6."""
+    times = {"naive": [2.0, 20.0, 20.0, 20.0], "torch": [1.0, 1.0, 10.0, 10.0], "no sync": [0.5, 5.0, 5.0, 5.0]}
+    assert lab6.median_ratio(times, "naive", "torch") == 2.0
+    assert statistics.median(times["naive"]) / statistics.median(times["torch"]) > 3.5
+    assert lab6.median_ratio(times, "no sync", "naive") == 0.25
+    assert lab6.median_ratio(times, "naive", "missing") is None
