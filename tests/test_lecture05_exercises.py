@@ -1,177 +1,137 @@
-"""Lecture 5's exercises and their solutions never drift apart, and the checks can tell them apart.
+"""Lecture 5's exercise checks accept the solutions and reject the stubs and plausible wrong answers.
 
-As for lecture 2 (tests/test_02_collectives_exercises.py, whose two notebook helpers this reuses):
-each exercise cell of the lecture is the solution cell with the block between "# BEGIN SOLUTION"
-and "# END SOLUTION" replaced by a placeholder; the check cells are the same in both notebooks;
-the set-up cells the solutions copy are the lecture's. The cells then run in-process (no kernel, a
-few seconds): each solution passes its check, the open exercise reports "not done yet", and each
-check rejects plausible wrong answers - a check that cannot fail would prove nothing.
+The solutions notebook's code cells run once in one namespace (module fixture, a few seconds). Each
+test then swaps one function for a wrong answer a learner might write, runs the exercise's own check
+(check_exercise_N), and expects "not yet"; the lecture's stub must make the check say "not solved
+yet". So a check that cannot fail, or a solution that no longer passes, turns a test red. The first
+two tests keep the lecture's exercise and check cells in step with the solutions' (the course-wide
+tests/test_exercises_in_step.py does the same for the lectures it lists).
 """
 
-import contextlib
-import io
 import math
 
 import nbformat
 import pytest
-from test_02_collectives_exercises import cells_by_tag, without_solution
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import run_source
+from ddp_course.notebooks import cells_titled, check_verdict, run_all_cells, run_source, without_solution
 
 LECTURE = REPO_ROOT / "lectures" / "05_scaling_performance.ipynb"
-SOLUTIONS = REPO_ROOT / "solutions" / "05_scaling_performance_solutions.ipynb"
-EXERCISES = (1, 2, 3)
-CHECK_FUNCTIONS = {1: "check_predicted_step", 2: "check_largest_batch", 3: "check_powersgd_elements"}
+SOLUTIONS_PATH = "solutions/05_scaling_performance_solutions.ipynb"
+SOLUTIONS = REPO_ROOT / SOLUTIONS_PATH
+FUNCTIONS = {1: "predicted_step_seconds", 2: "largest_batch", 3: "powersgd_elements"}
 
 
 @pytest.mark.timeout(30)
-def test_exercises_are_the_solutions_with_the_marked_blocks_removed():
-    lecture, solutions = cells_by_tag(LECTURE), cells_by_tag(SOLUTIONS)
-    for number in EXERCISES:
-        [solution], [exercise] = solutions[f"solution-{number}"], lecture[f"exercise-{number}"]
-        assert solution.count("# BEGIN SOLUTION") == solution.count("# END SOLUTION") == 1, number
-        assert exercise == without_solution(solution) != solution, number
-        assert lecture[f"check-{number}"] == solutions[f"check-{number}"], number
+def test_exercises_and_checks_are_the_solutions_with_the_marked_parts_removed():
+    solutions, exercises = cells_titled(SOLUTIONS, "# Exercise "), cells_titled(LECTURE, "# Exercise ")
+    assert len(solutions) == 3 and solutions.keys() == exercises.keys()
+    for number, (title, (solution, _)) in enumerate(sorted(solutions.items()), start=1):
+        assert "# SOLUTION START" in solution and exercises[title][0] == without_solution(solution, number, SOLUTIONS_PATH)
+    solution_checks, lecture_checks = cells_titled(SOLUTIONS, "# Check exercise "), cells_titled(LECTURE, "# Check exercise ")
+    assert len(solution_checks) == 3
+    for number, (title, (source, stdout)) in enumerate(sorted(solution_checks.items()), start=1):
+        assert source == lecture_checks[title][0], title
+        assert stdout.strip().splitlines()[-1] == f"exercise {number}: correct", title
+        assert lecture_checks[title][1].strip().splitlines()[-1].startswith(f"exercise {number}: not solved yet"), title
 
 
 @pytest.mark.timeout(30)
 def test_solutions_copy_the_lecture_set_up_cells():
-    lecture, solutions = cells_by_tag(LECTURE), cells_by_tag(SOLUTIONS)
-    assert solutions["shared"] and solutions["shared"] == lecture["shared"]
+    def shared(path):
+        return [cell.source for cell in nbformat.read(path, as_version=4).cells if "shared" in cell.metadata.get("tags", [])]
 
-
-@pytest.mark.timeout(30)
-def test_stored_outputs_show_the_exercises_open_in_the_lecture_and_solved_in_the_solutions():
-    def check_outputs(path):
-        return ["".join(out.get("text", "") for out in cell.outputs) for cell in nbformat.read(path, as_version=4).cells
-                if any(tag.startswith("check-") for tag in cell.get("metadata", {}).get("tags", []))]  # fmt: skip
-
-    for path in (LECTURE, SOLUTIONS):  # nbval compares nothing in a cell stored without being run
-        code_cells = [cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"]
-        assert all(cell.execution_count is not None for cell in code_cells), f"{path.name} is stored unexecuted"
-    assert [text.startswith("not done yet") for text in check_outputs(LECTURE)] == [True] * 3
-    assert [text.split(":")[0] for text in check_outputs(SOLUTIONS)] == [f"exercise {n}" for n in EXERCISES]
-    assert all(": correct" in text for text in check_outputs(SOLUTIONS))
+    assert shared(SOLUTIONS) and shared(SOLUTIONS) == shared(LECTURE)
 
 
 @pytest.fixture(scope="module")
-def shared_namespace():
-    """The solutions notebook's set-up cells, run once; each test copies the namespace."""
-    namespace = {"__name__": "lecture05"}
-    for source in cells_by_tag(SOLUTIONS)["shared"]:
-        run_source(source, namespace)
-    return namespace
-
-
-def run_cells(namespace, *sources) -> tuple[dict, str]:
-    namespace, printed = dict(namespace), io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        for source in sources:
-            exec(compile(source, "<notebook cell>", "exec"), namespace)
-    return namespace, printed.getvalue()
+def solved():
+    """The solutions notebook's namespace after running every cell, and each check's output."""
+    return run_all_cells(SOLUTIONS)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("number", EXERCISES)
-def test_each_solution_passes_its_check_and_the_open_exercise_does_not(shared_namespace, number):
-    [check] = cells_by_tag(SOLUTIONS)[f"check-{number}"]
-    [solution] = cells_by_tag(SOLUTIONS)[f"solution-{number}"]
-    [exercise] = cells_by_tag(LECTURE)[f"exercise-{number}"]
-    assert f"exercise {number}: correct" in run_cells(shared_namespace, solution, check)[1]
-    assert run_cells(shared_namespace, exercise, check)[1].startswith("not done yet")
-
-
-def wrong_answers(namespace) -> dict[int, dict]:
-    """Plausible mistakes for each exercise."""
-
-    def ring_without_n_factor(compute_s, gradient_bytes, world_size, link, buckets=1, overlap=1.0):  # 2 S beta, whatever N
-        if world_size == 1:
-            return compute_s
-        ring_s = buckets * 2 * (world_size - 1) * link[0] + 2 * gradient_bytes / link[1]
-        return compute_s + max(0.0, ring_s - overlap * 2 / 3 * compute_s)
-
-    def latency_once(compute_s, gradient_bytes, world_size, link, buckets=1, overlap=1.0):  # buckets ignored
-        if world_size == 1:
-            return compute_s
-        ring_s = 2 * (world_size - 1) * link[0] + 2 * (world_size - 1) / world_size * gradient_bytes / link[1]
-        return compute_s + max(0.0, ring_s - overlap * 2 / 3 * compute_s)
-
-    def overlap_can_go_negative(compute_s, gradient_bytes, world_size, link, buckets=1, overlap=1.0):  # no max(0, ...)
-        if world_size == 1:
-            return compute_s
-        ring_s = buckets * 2 * (world_size - 1) * link[0] + 2 * (world_size - 1) / world_size * gradient_bytes / link[1]
-        return compute_s + ring_s - overlap * 2 / 3 * compute_s
-
-    def whole_step_hides(compute_s, gradient_bytes, world_size, link, buckets=1, overlap=1.0):  # all of compute, not backward
-        if world_size == 1:
-            return compute_s
-        ring_s = buckets * 2 * (world_size - 1) * link[0] + 2 * (world_size - 1) / world_size * gradient_bytes / link[1]
-        return compute_s + max(0.0, ring_s - overlap * compute_s)
-
-    def forgets_buckets(memory, parameters, per_sample, optimizer="adam", bucket_view=False, zero1_ranks=1):
-        state = {"sgd": 0, "momentum": 4, "adam": 8}[optimizer] * parameters / zero1_ranks
-        return max(0, int((memory - 8 * parameters - state) // per_sample))
-
-    def adam_is_one_moment(memory, parameters, per_sample, optimizer="adam", bucket_view=False, zero1_ranks=1):
-        state = {"sgd": 0, "momentum": 4, "adam": 4}[optimizer] * parameters / zero1_ranks
-        fixed = 8 * parameters + (0 if bucket_view else 4 * parameters) + state
-        return max(0, int((memory - fixed) // per_sample))
-
-    def zero1_shards_gradients_too(memory, parameters, per_sample, optimizer="adam", bucket_view=False, zero1_ranks=1):
-        state = {"sgd": 0, "momentum": 4, "adam": 8}[optimizer] * parameters / zero1_ranks
-        fixed = 4 * parameters + 4 * parameters / zero1_ranks + (0 if bucket_view else 4 * parameters) + state
-        return max(0, int((memory - fixed) // per_sample))
-
-    def rounds_up(memory, parameters, per_sample, optimizer="adam", bucket_view=False, zero1_ranks=1):
-        state = {"sgd": 0, "momentum": 4, "adam": 8}[optimizer] * parameters / zero1_ranks
-        fixed = 8 * parameters + (0 if bucket_view else 4 * parameters) + state
-        return max(0, math.ceil((memory - fixed) / per_sample))
-
-    def compresses_everything(shapes, rank, min_compression_rate=2.0):
-        return sum((s[0] + math.prod(s[1:])) * min(s[0], math.prod(s[1:]), rank) for s in shapes)
-
-    def counts_only_p(shapes, rank, min_compression_rate=2.0):
-        total = 0
-        for s in shapes:
-            n, m = s[0], math.prod(s[1:])
-            r = min(n, m, rank)
-            total += n * r if (n + m) * r * min_compression_rate < n * m else n * m
-        return total
-
-    def convolutions_uncompressed(shapes, rank, min_compression_rate=2.0):  # only 2-D weights compressed
-        total = 0
-        for s in shapes:
-            n, m = s[0], math.prod(s[1:])
-            total += (n + m) * min(n, m, rank) if len(s) == 2 and (n + m) * min(n, m, rank) * min_compression_rate < n * m else n * m
-        return total
-
-    def second_dimension_only(shapes, rank, min_compression_rate=2.0):  # a conv weight read as n x in_channels
-        total = 0
-        for s in shapes:
-            n, m = s[0], s[1] if len(s) > 1 else 1
-            r = min(n, m, rank)
-            total += (n + m) * r if (n + m) * r * min_compression_rate < n * m else n * m
-        return total
-
-    return {
-        1: {"2 S beta": ring_without_n_factor, "latency once": latency_once, "negative exposure": overlap_can_go_negative,
-            "the whole step hides": whole_step_hides},
-        2: {"no bucket copy": forgets_buckets, "Adam = one moment": adam_is_one_moment,
-            "ZeRO-1 shards gradients": zero1_shards_gradients_too, "rounds up": rounds_up},
-        3: {"compresses everything": compresses_everything, "only P": counts_only_p,
-            "convolutions uncompressed": convolutions_uncompressed, "m = shape[1]": second_dimension_only},
-    }  # fmt: skip
+def test_the_solutions_pass_their_checks(solved):
+    _, outputs = solved
+    for number in FUNCTIONS:
+        assert outputs[f"# Check exercise {number} (run after the cell above)"].strip().endswith(f"exercise {number}: correct")
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("number", EXERCISES)
-def test_each_check_rejects_wrong_answers(shared_namespace, number):
-    [check] = cells_by_tag(SOLUTIONS)[f"check-{number}"]
-    [exercise] = cells_by_tag(LECTURE)[f"exercise-{number}"]
-    do_not_run_yet = "def run_check(check, solution):\n    pass"  # define the check, run it below on each answer
-    namespace, _ = run_cells(shared_namespace, do_not_run_yet, exercise, check)
-    for mistake, answer in wrong_answers(namespace)[number].items():
-        with pytest.raises(AssertionError), contextlib.redirect_stdout(io.StringIO()):
-            namespace[CHECK_FUNCTIONS[number]](answer)
-        print(f"exercise {number}: the check rejects '{mistake}'")
+def test_the_lecture_stubs_fail_the_same_checks(solved):
+    namespace, _ = solved
+    stubs = cells_titled(LECTURE, "# Exercise ")
+    saved = {name: namespace[name] for name in FUNCTIONS.values()}
+    try:
+        for number, (stub, _) in enumerate((stubs[title] for title in sorted(stubs)), start=1):
+            run_source(stub, namespace)
+            assert check_verdict(namespace, number) == f"exercise {number}: not solved yet - fill in {FUNCTIONS[number]} above"
+    finally:
+        namespace.update(saved)
+
+
+def ring_s(gradient_bytes, world_size, link, buckets, n_factor=True):
+    """The ring all-reduce time of exercise 1, or (n_factor=False) the common slip 2 S beta."""
+    factor = (world_size - 1) / world_size if n_factor else 1
+    return buckets * 2 * (world_size - 1) * link[0] + 2 * factor * gradient_bytes / link[1]
+
+
+def wrong_step(n_factor=True, latency_per_bucket=True, clamp=True, hidden_share=2 / 3):
+    """predicted_step_seconds with one mistake switched on."""
+
+    def predicted_step_seconds(compute_s, gradient_bytes, world_size, link, buckets=1, overlap=1.0):
+        if world_size == 1:
+            return compute_s
+        exposed = ring_s(gradient_bytes, world_size, link, buckets if latency_per_bucket else 1, n_factor) - overlap * hidden_share * compute_s
+        return compute_s + (max(0.0, exposed) if clamp else exposed)
+
+    return predicted_step_seconds
+
+
+def wrong_batch(adam_bytes=8, buckets=True, shard_gradients=False, rounding=math.floor):
+    """largest_batch with one mistake switched on."""
+
+    def largest_batch(memory_bytes, parameters, per_sample, optimizer="adam", bucket_view=False, zero1_ranks=1):
+        state = {"sgd": 0, "momentum": 4, "adam": adam_bytes}[optimizer] * parameters / zero1_ranks
+        gradients = 4 * parameters / (zero1_ranks if shard_gradients else 1)
+        fixed = 4 * parameters + gradients + (0 if bucket_view or not buckets else 4 * parameters) + state
+        return max(0, int(rounding((memory_bytes - fixed) / per_sample)))
+
+    return largest_batch
+
+
+def wrong_powersgd(rule):
+    """powersgd_elements where rule(n, m, shape, rank, rate) -> numbers sent for one gradient."""
+
+    def powersgd_elements(gradient_shapes, rank, min_compression_rate=2.0):
+        return sum(rule(shape[0], math.prod(shape[1:]), shape, rank, min_compression_rate) for shape in gradient_shapes)
+
+    return powersgd_elements
+
+
+def compressed_or_not(n, m, rank, rate, compressed):
+    r = min(n, m, rank)
+    return compressed(n, m, r) if (n + m) * r * rate < n * m else n * m
+
+
+WRONG_ANSWERS = {
+    1: {"2 S beta, whatever N": wrong_step(n_factor=False), "latency once, not per bucket": wrong_step(latency_per_bucket=False),
+        "overlap can make the step shorter than its computation": wrong_step(clamp=False),
+        "the whole step hides communication": wrong_step(hidden_share=1.0)},
+    2: {"no bucket copy": wrong_batch(buckets=False), "Adam keeps one moment": wrong_batch(adam_bytes=4),
+        "ZeRO-1 shards the gradients too": wrong_batch(shard_gradients=True), "rounds up": wrong_batch(rounding=math.ceil)},
+    3: {"everything compressed": wrong_powersgd(lambda n, m, shape, rank, rate: (n + m) * min(n, m, rank)),
+        "only P counted": wrong_powersgd(lambda n, m, shape, rank, rate: compressed_or_not(n, m, rank, rate, lambda n, m, r: n * r)),
+        "convolutions sent uncompressed": wrong_powersgd(
+            lambda n, m, shape, rank, rate: compressed_or_not(n, m, rank, rate, lambda n, m, r: (n + m) * r) if len(shape) == 2 else n * m),
+        "m = shape[1] only": wrong_powersgd(
+            lambda n, m, shape, rank, rate: compressed_or_not(n, shape[1] if len(shape) > 1 else 1, rank, rate, lambda n, m, r: (n + m) * r))},
+}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("number", FUNCTIONS)
+def test_each_check_rejects_plausible_wrong_answers(solved, number):
+    namespace, _ = solved
+    for mistake, answer in WRONG_ANSWERS[number].items():
+        assert check_verdict(namespace, number, **{FUNCTIONS[number]: answer}) == f"exercise {number}: not yet", mistake
