@@ -15,7 +15,9 @@ from ddp_course.launch import REPO_ROOT
 from ddp_course.notebooks import cells_titled, without_solution
 
 # Lectures with exercises (lecture 2's exercises are checked by tests/test_02_collectives_exercises.py).
-LECTURES = ("01_data_parallelism", "03_samplers", "04_ddp_internals", "06_debugging_fault_tolerance")
+LECTURES = (
+    "01_data_parallelism", "03_samplers", "04_ddp_internals", "05_scaling_performance", "06_debugging_fault_tolerance",
+)  # fmt: skip
 
 
 def notebook_pair(name):
