@@ -122,7 +122,7 @@ LAB_RUNS = (
     LabRun("lab5", "labs/lab5_scaling.py",
            ("--config", "comm_bound", "--warmup-steps", "1", "--steps", "2", "--repeats", "1", "--json", "{out}/lab5.json"), lab5_figure),
     LabRun("lab6", "labs/lab6_ddp_from_scratch.py",
-           ("--module", "solutions", "--impl", "all", "--check-steps", "3", "--warmup-steps", "1", "--steps", "2",
+           ("--module", "solutions", "--impl", "all", "--zero", "--check-steps", "3", "--warmup-steps", "1", "--steps", "2",
             "--repeats", "1", "--json", "{out}/lab6.json"), lab6_figure),
     LabRun("lab7", "labs/lab7_fault_tolerance.py",
            ("--max-steps", "20", "--checkpoint-dir", "{out}/checkpoints", "--metrics-json", "{out}/lab7.json"), accuracy_figure("lab7.json")),

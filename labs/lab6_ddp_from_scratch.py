@@ -18,6 +18,7 @@ From the repository root:
     the exercise, 2 CPU processes:  torchrun --standalone --nproc_per_node=2 labs/lab6_ddp_from_scratch.py --impl naive
     every finished wrapper:         torchrun --standalone --nproc_per_node=2 labs/lab6_ddp_from_scratch.py --module solutions
     smaller buckets:                ... --module solutions --impl bucketed --impl torch --bucket-cap-mb 1
+    your ZeRO-1 (part 4):           ... --impl torch --zero   (torch DDP + your ShardedOptimizer vs AdamW)
     train for 300 steps:            ... --module solutions --impl bucketed --train-steps 300 --repeats 0
     records and traces:             ... --module solutions --json runs/lab6.json --profile runs/lab6_trace
     N GPUs (NCCL; written with care, NOT YET RUN on a GPU):
@@ -38,6 +39,7 @@ times: about 24 ms without communication, 30 ms for BucketedDDP and torch DDP, 6
 With --train-steps 300 the job-wide loss falls from 4.64 (ln 97: uniform guessing) to about 2.5.
 """
 
+import functools
 import statistics
 import sys
 import time
@@ -63,6 +65,7 @@ WRAPPER_CLASS = {"naive": "NaiveDDP", "overlap": "OverlapDDP", "bucketed": "Buck
 CONTEXT = 64  # characters per window
 MODEL_SHAPE = {"context": CONTEXT, "d_model": 128, "n_layers": 4, "n_heads": 4}
 CHECK_LR = 0.1  # plain SGD for the check: its update is linear in the gradient, so rounding stays rounding
+ZERO_LR = 1e-3  # AdamW for the --zero check: an optimizer with state worth sharding (two moments per weight)
 PROFILED_STEPS = 3
 # Differences between two correct runs come from summing in another order: about eps relative per
 # operation, compounded over the layers and the steps. 64 eps per step, relative to the largest weight,
@@ -87,6 +90,8 @@ def parse_args(argv=None):
     parser.add_argument("--warmup-steps", type=positive_int, default=3, help="untimed steps first (torch DDP rebuilds its buckets)")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per repeat")
     parser.add_argument("--repeats", type=non_negative_int, default=5, help="timing rounds, interleaved across impls (0: no timing)")
+    parser.add_argument("--zero", action="store_true",
+                        help="also check part 4: torch DDP with your ShardedOptimizer(AdamW) against plain AdamW")
     parser.add_argument("--train-steps", type=non_negative_int, default=0, help="then train this many AdamW steps and print the loss")
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate of --train-steps")
     parser.add_argument("--seed", type=int, default=0, help="model initialization and batches")
@@ -155,12 +160,13 @@ def training_step(model, optimizer, inputs, targets) -> torch.Tensor:
     return loss.detach()
 
 
-def weights_after_sgd(args, ctx, tokens, minddp, impl: str) -> torch.Tensor:
+def weights_after_sgd(args, ctx, tokens, minddp, impl: str, make_optimizer=None) -> torch.Tensor:
     """All parameters, flattened, after --check-steps SGD steps. impl "single process": the whole batch,
-    no wrapper; "no sync": this rank's shard, no wrapper; otherwise this rank's shard, wrapped."""
+    no wrapper; "no sync": this rank's shard, no wrapper; otherwise this rank's shard, wrapped.
+    make_optimizer(parameters) replaces plain SGD (the --zero check)."""
     model = new_model(args, ctx)
     trained = wrap(impl, model, minddp, args.bucket_cap_mb, ctx)
-    optimizer = torch.optim.SGD(model.parameters(), lr=CHECK_LR)
+    optimizer = (make_optimizer or functools.partial(torch.optim.SGD, lr=CHECK_LR))(model.parameters())
     generator = torch.Generator().manual_seed(args.seed)
     for _ in range(args.check_steps):
         inputs, targets = global_batch(tokens, generator, args, ctx)
@@ -194,6 +200,29 @@ def check(args, ctx, tokens, minddp) -> dict:
         log(f"  {impl:<9} max|w - one process| {diffs['max_abs_diff_vs_single_process']:.1e}   "
             f"max|w - torch DDP| {diffs['max_abs_diff_vs_torch_ddp']:.1e}   {results[impl]['verdict']}")
     return results
+
+
+def check_zero(args, ctx, tokens, minddp) -> bool:
+    """Part 4: torch DDP stepping your ShardedOptimizer(AdamW) must end with the weights of torch DDP
+    stepping AdamW itself, while each rank keeps only about 1/world_size of AdamW's state."""
+    optimizers = {}
+
+    def keep(name, make):  # remember the optimizer weights_after_sgd builds, to measure its state
+        return lambda parameters: optimizers.setdefault(name, make(parameters))
+
+    adamw = functools.partial(torch.optim.AdamW, lr=ZERO_LR)
+    plain = weights_after_sgd(args, ctx, tokens, minddp, "torch", keep("adamw", adamw))
+    sharded = weights_after_sgd(args, ctx, tokens, minddp, "torch",
+                                keep("sharded", lambda ps: minddp.ShardedOptimizer(ps, torch.optim.AdamW, lr=ZERO_LR)))
+    tolerance = EPS_PER_STEP * args.check_steps * torch.finfo(torch.float32).eps * float(plain.abs().max())
+    difference = job_max(float((sharded - plain).abs().max()), ctx)
+    state_sharded = job_max(minddp.optimizer_state_bytes(optimizers["sharded"]), ctx)  # the fullest rank
+    state_plain = minddp.optimizer_state_bytes(optimizers["adamw"])
+    passed = difference <= tolerance
+    log(f"  zero-1    max|w - AdamW| {difference:.1e}   AdamW state on the fullest rank {state_sharded:.0f} of "
+        f"{state_plain} bytes ({state_sharded / state_plain:.2f}; 1/world_size = {1 / ctx.world_size:.2f})   "
+        f"{'PASS' if passed else 'FAIL'}")
+    return passed
 
 
 def seconds_per_step(step, steps: int, ctx) -> float:
@@ -272,7 +301,7 @@ def verdict(impl: str, diffs: dict, tolerance: float) -> str:
 
 
 def run(args, ctx) -> tuple[list[dict], bool]:
-    minddp = load_minddp(args.module) if set(args.impls) - {"torch"} else None
+    minddp = load_minddp(args.module) if set(args.impls) - {"torch"} or args.zero else None
     tokens, _ = text_splits(encode_text(load_stdlib_text()))  # the held-out end of the text is not used here
     log(f"config: impls={','.join(args.impls)} module={args.module} world_size={ctx.world_size} backend={ctx.backend} "
         f"device={ctx.device.type} batch={args.batch_size}x{CONTEXT} characters/rank bucket_cap_mb={args.bucket_cap_mb} "
@@ -280,6 +309,8 @@ def run(args, ctx) -> tuple[list[dict], bool]:
     checked = check(args, ctx, tokens, minddp)
     verdicts = {impl: result.pop("verdict") for impl, result in checked.items()}
     passed = all(verdicts[impl] == "PASS" for impl in args.impls) and verdicts["no sync"] == "differs (control)"
+    if args.zero:
+        passed = check_zero(args, ctx, tokens, minddp) and passed
     times = time_and_profile(args, ctx, tokens, minddp) if args.repeats or args.profile else {}
     median = {impl: statistics.median(t) for impl, t in times.items() if t}
     records = [{

@@ -1,7 +1,7 @@
 """labs/lab6_ddp_from_scratch.py: the check, the JSON records, the traces, training, the exercise's TODO line, bad flags.
 
 Two torchrun launches in all, shared through module-scoped fixtures: one job with the finished
-wrappers (solutions) that checks, times, profiles and trains everything at once with small sizes and
+wrappers (solutions) that checks (ZeRO-1 included), times, profiles and trains everything at once with small sizes and
 buckets of 0.5 MiB (nine buckets for the transformer: the interesting case for BucketedDDP), and one
 with the untouched exercise. Flag checks and the script's small pieces run in-process.
 Timing targets are the benchmark's business (benchmarks/lab6_ddp_from_scratch.py), not asserted here.
@@ -35,7 +35,7 @@ def lab6():
 def solutions_job(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lab6")
     args = ["--module", "solutions", "--bucket-cap-mb", "0.5", "--json", folder / "r.json", "--profile", folder / "traces",
-            "--train-steps", TRAIN_STEPS, *SMALL]  # fmt: skip
+            "--train-steps", TRAIN_STEPS, "--zero", *SMALL]  # fmt: skip
     result = run_torchrun(LAB6, args, nproc=2, timeout_s=240)
     assert result.ok, result.describe()
     return result, json.loads((folder / "r.json").read_text()), folder
@@ -57,7 +57,7 @@ def test_every_finished_wrapper_matches_one_process_and_torch_ddp(solutions_job)
     # The tolerance is a few e-5 (64 x 3 steps x float32 eps x max|w|, the largest weight about 1).
     assert 1e-5 < records[0]["tolerance"] < 1e-4
     lines = result.stdout.splitlines()
-    assert [line.split()[0] for line in lines if line.endswith("PASS")] == IMPLS
+    assert [line.split()[0] for line in lines if line.endswith("PASS")] == [*IMPLS, "zero-1"]
     # The control, replicas that never communicate, is far outside the tolerance: the check can fail.
     control = next(line for line in lines if line.strip().startswith("no sync"))
     difference = float(re.search(r"one process\| (\S+)", control).group(1))
@@ -118,19 +118,42 @@ def test_untouched_exercise_ends_with_one_line_naming_the_todo(exercise_job):
 
 
 @pytest.mark.timeout(180)
-def test_a_wrapper_that_forgets_to_divide_fails_the_check(tmp_path):
-    """A plausible wrong answer: BucketedDDP without the division by the world size (every rank steps
-    with the sum of the gradients). Run as a learner's labs/minddp.py in a copy of the layout."""
+def test_the_zero_check_passes_and_shows_the_state_halved(solutions_job):
+    result, _, _ = solutions_job
+    line = re.search(r"^  zero-1 .*$", result.stdout, re.MULTILINE)
+    assert line and line.group(0).endswith("PASS"), result.describe()
+    assert "(0.50; 1/world_size = 0.50)" in line.group(0), line.group(0)
+
+
+def run_with_a_wrong_solution(tmp_path, correct_line, args):
+    """Run the lab on a learner's labs/minddp.py that is the solution without correct_line."""
     (tmp_path / "labs").mkdir()
     (tmp_path / "labs" / LAB6.name).write_text(LAB6.read_text())
-    division = "        bucket.buffer.div_(self.world_size)  # then the sum over ranks is the average\n"
     solution = (REPO_ROOT / "solutions" / "minddp.py").read_text()
-    assert division in solution
-    (tmp_path / "labs" / "minddp.py").write_text(solution.replace(division, ""))
-    args = ["--impl", "bucketed", "--check-steps", "2", "--repeats", "0"]
-    result = run_torchrun(tmp_path / "labs" / LAB6.name, args, nproc=2, timeout_s=120, cwd=tmp_path)
+    assert correct_line in solution
+    (tmp_path / "labs" / "minddp.py").write_text(solution.replace(correct_line, ""))
+    return run_torchrun(tmp_path / "labs" / LAB6.name, args, nproc=2, timeout_s=120, cwd=tmp_path)
+
+
+@pytest.mark.timeout(180)
+def test_a_wrapper_that_forgets_to_divide_fails_the_check(tmp_path):
+    """A plausible wrong answer: BucketedDDP without the division by the world size (every rank steps
+    with the sum of the gradients)."""
+    division = "        bucket.buffer.div_(self.world_size)  # then the sum over ranks is the average\n"
+    result = run_with_a_wrong_solution(tmp_path, division, ["--impl", "bucketed", "--check-steps", "2", "--repeats", "0"])
     assert result.returncode == 1, result.describe()
     assert re.search(r"^  bucketed .* FAIL$", result.stdout, re.MULTILINE), result.describe()
+    assert "lab6_ddp_from_scratch.py: error: the check FAILED" in result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_sharded_optimizer_that_never_broadcasts_fails_the_zero_check(tmp_path):
+    """Part 4's plausible wrong answer: each rank steps its own shard and never sends it, so every rank
+    keeps stale copies of the parameters it does not own."""
+    broadcast = "        self._broadcast_from_owners()\n"
+    result = run_with_a_wrong_solution(tmp_path, broadcast, ["--impl", "torch", "--zero", "--check-steps", "2", "--repeats", "0"])
+    assert result.returncode == 1, result.describe()
+    assert re.search(r"^  zero-1 .* FAIL$", result.stdout, re.MULTILINE), result.describe()
     assert "lab6_ddp_from_scratch.py: error: the check FAILED" in result.stderr
 
 
