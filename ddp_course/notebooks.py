@@ -120,6 +120,24 @@ def check_verdict(namespace: dict, number: int, **replacements) -> str:
     return run_check(namespace, number, **replacements).strip().splitlines()[-1]
 
 
+def stub_verdicts(namespace: dict, lecture_path: str | Path, functions: dict[int, str]) -> dict[int, str]:
+    """{exercise number: its check's verdict} after running each of the lecture's exercise stubs in a
+    namespace where the solutions ran; functions ({number: the function the exercise asks for}) are
+    restored to the solutions' afterwards."""
+    verdicts = {}
+    with replaced(namespace, **{name: namespace[name] for name in functions.values()}):  # save and restore
+        for title, (stub, _) in cells_titled(lecture_path, "# Exercise ").items():
+            number = int(re.match(r"# Exercise (\d+):", title).group(1))
+            run_source(stub, namespace)
+            verdicts[number] = check_verdict(namespace, number)
+    return verdicts
+
+
+def not_solved_verdicts(functions: dict[int, str]) -> dict[int, str]:
+    """What every check says of an untouched stub: {number: "exercise N: not solved yet - fill in NAME above"}."""
+    return {number: f"exercise {number}: not solved yet - fill in {name} above" for number, name in functions.items()}
+
+
 def main(paths: list[str]) -> int:
     if not paths:
         print("usage: python -m ddp_course.notebooks NOTEBOOK.ipynb [NOTEBOOK.ipynb ...]", file=sys.stderr)
