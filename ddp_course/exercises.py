@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddp_course.cli import CourseArgumentParser
-from ddp_course.launch import REPO_ROOT
 
 BEGIN = re.compile(r"^(?P<indent> *)# BEGIN SOLUTION$")
 END = "# END SOLUTION"
@@ -123,12 +122,24 @@ def exercise_header(solution_path: str, exercise_path: str) -> str:
     )
 
 
+def repository_root(path: Path) -> Path | None:
+    """The repository that holds path: the nearest folder above it with a .git (a clone) or a pyproject.toml.
+
+    Found from the file itself, not from where ddp_course is installed: an instructor with two clones
+    and one virtual environment runs the generator of clone A on the files of clone B.
+    """
+    for folder in path.resolve().parents:
+        if (folder / ".git").exists() or (folder / "pyproject.toml").is_file():
+            return folder
+    return None
+
+
 def _shown(path: Path) -> str:
-    """The path as the header names it: relative to the repository when inside it, so it is the same from any cwd."""
-    try:
-        return path.resolve().relative_to(REPO_ROOT).as_posix()
-    except ValueError:
+    """The path as the header names it: relative to its repository's root, so it is the same from any cwd and any clone."""
+    root = repository_root(path)
+    if root is None:
         return path.as_posix()
+    return path.resolve().relative_to(root).as_posix()
 
 
 def main(argv=None) -> int:
