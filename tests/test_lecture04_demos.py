@@ -1,8 +1,9 @@
 """What lecture 04 prints from its 2-rank job holds: the demo script's facts, checked outside nbval.
 
 One torchrun launch of lectures/scripts/ddp_internals_demos.py (about 15-25 s on 2 CPU cores), then
-one test per section of the lecture. Also: the mp.spawn launcher works from a script, and mp.spawn
-of a function defined in a program without a module file (a notebook, `python -c`) fails.
+one test per section of the lecture. Also: the demo script starts gloo even where a GPU is visible
+(review finding 1), the mp.spawn launcher works from a script, and mp.spawn of a function defined in
+a program without a module file (a notebook, `python -c`) fails.
 """
 
 import json
@@ -13,7 +14,7 @@ import sys
 import pytest
 
 from ddp_course import profiling
-from ddp_course.launch import REPO_ROOT, child_environment, run_command, run_torchrun
+from ddp_course.launch import REPO_ROOT, child_environment, import_script, run_command, run_torchrun
 
 SCRIPTS = REPO_ROOT / "lectures" / "scripts"
 
@@ -140,3 +141,28 @@ def test_spawning_a_function_without_a_module_file_fails():
     assert finished.returncode != 0
     assert "Can't get attribute 'square'" in finished.stderr
     assert "ProcessExitedException: process 0 terminated with exit code 1" in finished.stderr
+
+
+class GroupStarted(Exception):
+    """Stops main() right after it asked for its process group (the demos need a real job)."""
+
+
+def test_the_demo_script_starts_gloo_even_where_a_gpu_is_visible(monkeypatch, tmp_path):
+    """Review finding 1: with NCCL, the demos' first CPU collective fails on a GPU machine."""
+    demos = import_script(SCRIPTS / "ddp_internals_demos.py")
+    requested = []
+
+    def record_group(backend=None, **kwargs):
+        requested.append(backend)
+        raise GroupStarted()
+
+    monkeypatch.setattr(demos.torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    monkeypatch.setattr(demos.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(demos.torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(demos.dist, "init_process_group", record_group)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["ddp_internals_demos.py", "--json", str(tmp_path / "report.json")])
+    with pytest.raises(GroupStarted):
+        demos.main()
+    assert requested == ["gloo"]
+    assert "gloo" in demos.__doc__ and "GPU machine" in demos.__doc__

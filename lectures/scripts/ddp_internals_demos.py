@@ -8,8 +8,10 @@ lecture launches it once), returns plain facts per rank, and rank 0 writes them 
 same facts. --trace-dir gets a torch.profiler trace per rank of a DDP step with its default
 all-reduce and one with a blocking communication hook (open them in https://ui.perfetto.dev).
 
-CPU only (gloo): the NCCL variants of the set-up are written in init_process_group_inline() and in
-the lecture, not run on a GPU yet.
+CPU only, by design: every demo builds CPU models and CPU tensors, so the job always starts on gloo,
+on a GPU machine too (an NCCL group would refuse the first CPU collective). init_process_group_inline()
+keeps the NCCL branch a GPU script takes, as the lecture's illustration; main() calls it with
+backend="gloo" (DEMO_BACKEND).
 """
 
 from __future__ import annotations
@@ -35,12 +37,17 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "M
                       "TORCHELASTIC_RESTART_COUNT")  # fmt: skip
 MiB = 2**20
 UNUSED_TIMEOUT_S = 2  # how long rank 0 waits for rank 1's missing all-reduce in the last demo
+DEMO_BACKEND = "gloo"  # the demos' tensors are on the CPU, so never NCCL, even where a GPU is visible
 
 
-def init_process_group_inline(timeout_s: float) -> torch.device:
-    """What ddp_course.setup_distributed() does for a torchrun job, written out."""
+def init_process_group_inline(timeout_s: float, backend: str) -> torch.device:
+    """What ddp_course.setup_distributed() does for a torchrun job, written out.
+
+    A GPU script passes backend="nccl" if torch.cuda.is_available() else "gloo"; this script's demos
+    pass "gloo" always, since their tensors live on the CPU.
+    """
     local_rank = int(os.environ["LOCAL_RANK"])  # this process's index on its node
-    if torch.cuda.is_available():
+    if backend == "nccl":
         device = torch.device("cuda", local_rank)  # LOCAL_RANK, never RANK: RANK is 8..15 on node 1 of 2x8
         torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl", init_method="env://", timeout=timedelta(seconds=timeout_s), device_id=device)
@@ -471,7 +478,7 @@ def main() -> None:
     parser.add_argument("--json", required=True, help="where rank 0 writes every rank's facts")
     parser.add_argument("--trace-dir", help="write profiler traces of a DDP step here (two folders)")
     args = parser.parse_args()
-    init_process_group_inline(timeout_s=60)
+    init_process_group_inline(timeout_s=60, backend=DEMO_BACKEND)
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         mine = run_demos(rank, world_size, args.trace_dir)
