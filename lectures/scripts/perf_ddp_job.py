@@ -1,5 +1,6 @@
 """Lecture 5's measurements in real DDP processes: a profiled step, compression hooks, bucket sizes,
-gradient accumulation with no_sync, and ZeRO-1's optimizer memory. One job, several parts.
+gradient accumulation with no_sync, ZeRO-1's optimizer memory, and GradScaler skipping an overflowing
+step on every rank. One job, several parts.
 
     2 CPU processes (gloo), what the lecture runs:
         torchrun --standalone --nproc_per_node=2 lectures/scripts/perf_ddp_job.py --out-dir runs/lecture5
@@ -20,7 +21,10 @@ below, per part) and OUT_DIR/traces/trace_rank{0,1}.json (open them in https://u
   the record says how;
 - buckets: lab 5's measurement for each --bucket-caps value (DDP's default, then MiB sizes);
 - accumulation: all-reduce calls and bytes per optimizer step with and without no_sync;
-- zero: optimizer-state bytes per rank for Adam and for ZeroRedundancyOptimizer(Adam).
+- zero: optimizer-state bytes per rank for Adam and for ZeroRedundancyOptimizer(Adam);
+- gradscaler: fp16 autocast with torch.amp.GradScaler, an inf in rank 1's input at step 2: per rank,
+  whether its loss and its (all-reduced) gradients were finite, whether it stepped, and its scale;
+  then the same overflow under no_sync, where only rank 1 sees it.
 """
 
 import contextlib
@@ -50,7 +54,7 @@ from ddp_course.models import DigitsCNN, WideMLP, build_model
 
 lab5 = import_script(REPO_ROOT / "labs" / "lab5_scaling.py")  # lab 5's configs and its timing method
 
-PARTS = ("profile", "hooks", "buckets", "accumulation", "zero")
+PARTS = ("profile", "hooks", "buckets", "accumulation", "zero", "gradscaler")
 # allreduce_hook does what DDP does without a hook, but through torch.distributed.all_reduce in Python,
 # where AllReduceCounter sees it (DDP's built-in path calls C++ directly). "bf16_autocast" trains under
 # bf16 autocast with the plain all-reduce: what mixed precision does to the bytes sent.
@@ -66,6 +70,7 @@ POWERSGD_START = 10  # plain all-reduce for the first steps: early gradients are
 BATCH_PER_RANK = 32
 ACCUMULATION_BUCKET_MB = 0.25
 ZERO_WIDTH = 1024
+SCALER_INIT = 2.0**10  # small enough that the finite step cannot overflow fp16 by itself
 
 
 class AllReduceCounter:
@@ -105,6 +110,14 @@ class AllReduceCounter:
 
 def device_ids(ctx):
     return [ctx.local_rank] if ctx.device.type == "cuda" else None
+
+
+def clock(ctx) -> float:
+    """perf_counter() once this rank's GPU work is done: CUDA kernels run asynchronously, so without
+    the synchronize a host timer measures how long the step took to enqueue, not to run."""
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    return time.perf_counter()
 
 
 def profile_part(ctx, args) -> dict:
@@ -165,7 +178,7 @@ def train_with_hook(ctx, name, args, counter) -> dict:
     losses, seconds = [], []
     for step in range(args.hook_steps):
         images, labels = next(batches)
-        started = time.perf_counter()
+        started = clock(ctx)
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=name == "bf16_autocast"):
             loss = F.cross_entropy(ddp_model(images), labels)
         with counter.counting() if step == args.hook_steps - 1 else contextlib.nullcontext():
@@ -173,7 +186,7 @@ def train_with_hook(ctx, name, args, counter) -> dict:
         gradient_dtypes = sorted({str(p.grad.dtype) for p in model.parameters()})  # what DDP averaged
         optimizer.step()
         optimizer.zero_grad()
-        seconds.append(time.perf_counter() - started)
+        seconds.append(clock(ctx) - started)
         losses.append(loss.detach())
     job_losses = torch.stack(losses)
     dist.all_reduce(job_losses)  # one collective for the whole curve: the job-wide mean loss per step
@@ -283,6 +296,49 @@ def zero_part(ctx, args) -> dict:
             "state_bytes_per_rank": state_bytes, "max_abs_weight_difference": (weights[True] - weights[False]).abs().max().item()}  # fmt: skip
 
 
+def scaler_steps(ctx, sync: bool) -> list[dict]:
+    """Two fp16 steps under GradScaler; at step 2 rank 1's input holds an inf (and, unless sync, step 2
+    skips the all-reduce). What this rank saw at each step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).to(ctx.device)
+    ddp_model = DDP(model, device_ids=device_ids(ctx))
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(ctx.device.type, init_scale=SCALER_INIT)
+    generator = torch.Generator().manual_seed(1 + ctx.rank)
+    records = []
+    for step in (1, 2):
+        inputs = torch.randn(8, 4, generator=generator)
+        if step == 2 and ctx.rank == 1:
+            inputs[0, 0] = float("inf")  # one overflowing sample, on one rank only
+        before = model.weight.detach().clone()
+        # no_sync must cover the forward too: DDP decides there whether this backward all-reduces.
+        with ddp_model.no_sync() if step == 2 and not sync else contextlib.nullcontext():
+            with torch.autocast(ctx.device.type, dtype=torch.float16):
+                loss = ddp_model(inputs.to(ctx.device)).float().square().mean()
+            scaler.scale(loss).backward()  # DDP all-reduces the *scaled* gradients (unless no_sync)
+        gradients_finite = all(torch.isfinite(p.grad).all().item() for p in model.parameters())
+        scaler.step(optimizer)  # unscale_, then skip the step if any gradient is inf or NaN
+        scaler.update()  # halve the scale after a skipped step
+        optimizer.zero_grad()
+        records.append({"step": step, "loss_finite": bool(torch.isfinite(loss).item()), "gradients_finite": gradients_finite,
+                        "stepped": not torch.equal(before, model.weight.detach()), "scale": scaler.get_scale(),
+                        "weights": model.weight.detach().cpu().flatten().tolist()})  # fmt: skip
+    return records
+
+
+def gradscaler_part(ctx, args) -> dict:
+    """GradScaler in a real DDP job: an inf on one rank reaches every rank's gradients through the
+    all-reduce, so every rank's unscale_ finds it and every rank skips the same step. Under no_sync
+    (nothing all-reduced) only the overflowing rank skips, and the replicas part ways."""
+    result = {"init_scale": SCALER_INIT}
+    for mode, sync in (("ddp", True), ("no_sync", False)):
+        every_rank = [None] * ctx.world_size
+        dist.all_gather_object(every_rank, scaler_steps(ctx, sync))
+        result[mode] = every_rank  # [rank][step] records
+        gc.collect()  # this mode's DDP model goes before the next one is built
+    return result
+
+
 def parse_args(argv=None):
     parser = CourseArgumentParser(prog="perf_ddp_job.py", description="Lecture 5's DDP measurements.")
     parser.add_argument("--out-dir", required=True, help="perf.json and traces/ go here")
@@ -310,7 +366,7 @@ def parse_args(argv=None):
 
 def main(args) -> int:
     run_part = {"profile": profile_part, "hooks": hooks_part, "buckets": buckets_part,
-                "accumulation": accumulation_part, "zero": zero_part}  # fmt: skip
+                "accumulation": accumulation_part, "zero": zero_part, "gradscaler": gradscaler_part}  # fmt: skip
     try:
         ctx = setup_distributed(args.backend, timeout_s=args.timeout_s)
         log(f"perf_ddp_job: world_size={ctx.world_size} backend={ctx.backend} device={ctx.device.type} parts={','.join(args.parts)}")
