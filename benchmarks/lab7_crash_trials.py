@@ -4,8 +4,10 @@ the run without a crash, bit for bit?
     python benchmarks/lab7_crash_trials.py --trials 10
 
 One uninterrupted run, then N runs under `torchrun --max-restarts=1` in which one rank kills
-itself (SIGKILL) at a different step each time, rank 1 and rank 0 in turn, with the environment
-lab 7's docstring asks for (ddp_course.resume.RESTART_SAFE_ENV). A trial passes when the job
+itself (SIGKILL) at a different step each time, rank 1 and rank 0 in turn, all with the environment
+lab 7's docstring asks for (ddp_course.resume.RESTART_SAFE_ENV). The model has dropout
+(--dropout 0.1), so every step draws random numbers: a resume that restored the generators wrongly,
+or drew from them once more than the uninterrupted run, would end with other weights. A trial passes when the job
 exits 0, its second attempt resumed from the newest checkpoint before the crash, it reports the
 expected number of recomputed steps, and its final weights equal the uninterrupted run's
 (torch.equal on every tensor). One line per trial, then "K of N trials passed"; the exit status
@@ -27,18 +29,19 @@ from ddp_course.resume import RESTART_SAFE_ENV
 LAB7 = REPO_ROOT / "labs" / "lab7_fault_tolerance.py"
 MAX_STEPS = 30  # 23 steps per epoch on 2 ranks x 32: the runs cross into epoch 2
 CHECKPOINT_EVERY = 5
+DROPOUT = 0.1  # a model that draws random numbers at every step (digits CNN, lab 7's --dropout)
 
 
 def lab7_flags(directory: Path, name: str) -> list:
     return [
-        "--max-steps", MAX_STEPS, "--checkpoint-every", CHECKPOINT_EVERY, "--timeout-s", 60,
+        "--max-steps", MAX_STEPS, "--checkpoint-every", CHECKPOINT_EVERY, "--timeout-s", 60, "--dropout", DROPOUT,
         "--checkpoint-dir", directory / f"{name}_checkpoints", "--save", directory / f"{name}.pt",
     ]  # fmt: skip
 
 
 def uninterrupted_run(directory: Path, timeout_s: float = 300):
     """The reference: the same flags, no crash, no restarts allowed."""
-    return run_torchrun(LAB7, lab7_flags(directory, "straight"), nproc=2, timeout_s=timeout_s)
+    return run_torchrun(LAB7, lab7_flags(directory, "straight"), nproc=2, timeout_s=timeout_s, env=RESTART_SAFE_ENV)
 
 
 def crash_run(directory: Path, crash_step: int, crash_rank: int, timeout_s: float = 400):

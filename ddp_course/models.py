@@ -1,9 +1,11 @@
 """Models used by the labs.
 
-DigitsCNN deliberately has no dropout and no batch-norm: with them, N ranks at batch B would not
-match one process at batch N x B (dropout draws different masks per rank, batch-norm normalizes
-each rank's shard with its own statistics). Without them the equivalence is exact up to float
-rounding, and the labs and tests prove it.
+DigitsCNN deliberately has no batch-norm and, by default, no dropout: with them, N ranks at batch
+B would not match one process at batch N x B (dropout draws different masks per rank, batch-norm
+normalizes each rank's shard with its own statistics). Without them the equivalence is exact up to
+float rounding, and the labs and tests prove it. DigitsCNN(dropout=P) adds dropout for the resume
+tests of labs 3 and 7: a model that draws random numbers at every step can only resume bit for bit
+if the checkpoint restores every rank's generator state and nothing else draws from it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ MODEL_NAMES = ("digits_cnn", "resnet18", "wide_mlp", "conv_net")
 class DigitsCNN(nn.Module):
     """Two 3x3 convolutions and two linear layers for 1x8x8 digit images (about 0.14 M parameters)."""
 
-    def __init__(self, num_classes: int = 10):
+    def __init__(self, num_classes: int = 10, dropout: float = 0.0):
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(1, 32, kernel_size=3, padding=1),  # (B, 32, 8, 8)
@@ -27,6 +29,8 @@ class DigitsCNN(nn.Module):
             nn.ReLU(),
             nn.MaxPool2d(2),  # (B, 64, 4, 4)
         )
+        # A separate module, so the parameter names (classifier.1.weight, ...) do not depend on it.
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.classifier = nn.Sequential(
             nn.Flatten(),  # (B, 1024)
             nn.Linear(64 * 4 * 4, 128),
@@ -35,7 +39,7 @@ class DigitsCNN(nn.Module):
         )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(images))
+        return self.classifier(self.dropout(self.features(images)))
 
 
 class WideMLP(nn.Module):
@@ -92,10 +96,15 @@ def resnet18_cifar(num_classes: int = 10) -> nn.Module:
     return model
 
 
-def build_model(name: str, num_classes: int = 10) -> nn.Module:
-    """A fresh model by name; seed the generators first so every rank builds the same weights."""
+def build_model(name: str, num_classes: int = 10, dropout: float = 0.0) -> nn.Module:
+    """A fresh model by name; seed the generators first so every rank builds the same weights.
+
+    dropout: the probability of DigitsCNN's optional dropout layer (the other models have no such option).
+    """
+    if dropout and name != "digits_cnn":
+        raise ValueError(f"only digits_cnn has an optional dropout layer, not {name!r}")
     if name == "digits_cnn":
-        return DigitsCNN(num_classes)
+        return DigitsCNN(num_classes, dropout)
     if name == "resnet18":
         return resnet18_cifar(num_classes)
     if name == "wide_mlp":

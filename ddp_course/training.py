@@ -7,6 +7,10 @@ position in the data (each lab names its own position keys) and the generator st
 (ranks seeded with seed + rank draw differently: giving rank 0's state to all would correlate
 their dropout masks and augmentations). checkpoint.save_checkpoint writes it on rank 0 atomically
 and then holds every rank at a barrier; checkpoint.load_checkpoint reads it with weights_only=True.
+
+Which checkpoint to resume from is decided by rank 0 alone and sent to every rank (rank0_decides):
+on a shared filesystem the nodes can list different "newest" files. After loading, the ranks
+compare their global_step and stop with one line if they differ.
 """
 
 from __future__ import annotations
@@ -37,14 +41,47 @@ def save_training_state(directory, global_step, ctx, model_name, model, optimize
     return save_checkpoint(state, directory, global_step, ctx.is_main)
 
 
+def rank0_decides(choose, ctx):
+    """Run choose() on rank 0 only and give its result to every rank (a collective: all must call it).
+
+    For decisions read from a shared filesystem: which checkpoint is the newest, how far the job
+    got. NFS clients cache directory listings and file attributes for some seconds (attribute
+    caching), and a restart comes seconds after rank 0's os.replace(), so another node may still
+    list an older newest checkpoint. Ranks that load different checkpoints start with the same
+    weights (DDP broadcasts rank 0's) but different momentum, step counts and data positions: the
+    replicas drift apart without an error, and the job hangs when their step counts run out at
+    different times. So one rank reads, and every rank loads what it chose.
+    """
+    decision = [choose() if ctx.is_main else None]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(decision, src=0, device=ctx.device)  # pickled; NCCL sends it from the GPU
+    return decision[0]
+
+
+def check_ranks_agree(name: str, value, path) -> None:
+    """All-gather value from every rank; a CourseError with one line unless all ranks hold the same."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    if len(set(values)) > 1:
+        raise CourseError(
+            f"the ranks resumed from different states of {path}: {name} {values} in rank order "
+            "(does every node see the same files in the checkpoint directory?)"
+        )
+
+
 def restore_training_state(path, model_name, model, optimizer, scaler, ctx, position_keys=()) -> dict:
     """Load the state at path into model, optimizer, scaler and this rank's generators; return it.
 
-    Anything unusable (corrupt file, another model, weights of another shape) is a CourseError with
-    one line. Generators are restored only when the checkpoint has a state for every rank of this
-    job; a job of another size starts from its seeds and says so.
+    Every rank must pass the same path (rank0_decides) and call it: the ranks then check that they
+    loaded the same global_step. Anything unusable (corrupt file, another model, weights of another
+    shape) is a CourseError with one line. Generators are restored only when the checkpoint has a
+    state for every rank of this job; a job of another size starts from its seeds and says so.
     """
     state = load_checkpoint(path, STATE_KEYS + tuple(position_keys))
+    # The same name can hold different files on different nodes (a stale cached copy): compare.
+    check_ranks_agree("global_step", state["global_step"], path)
     if state["model_name"] != model_name:
         raise CourseError(f"{path} holds a {state['model_name']} model, but this run trains {model_name}")
     try:
@@ -97,7 +134,9 @@ def held_out_loader(dataset, ctx, num_workers: int = 0, batch_size: int = 256) -
     """This rank's slice of the held-out set for evaluate(): samples rank, rank + world_size, ...
 
     Uneven slices, and no sampler padding: DistributedSampler would repeat samples to even out the
-    shards and count them twice in the job's accuracy (lecture 3, section 5).
+    shards and count them twice in the job's accuracy (lecture 3, section 5). Its own generator:
+    evaluating must not draw from the default stream that dropout uses (seeding.dataloader_seed).
     """
     eval_slice = Subset(dataset, range(ctx.rank, len(dataset), ctx.world_size))
-    return DataLoader(eval_slice, batch_size=batch_size, num_workers=num_workers)
+    generator = torch.Generator().manual_seed(ctx.rank)  # only seeds workers, which draw nothing here
+    return DataLoader(eval_slice, batch_size=batch_size, num_workers=num_workers, generator=generator)

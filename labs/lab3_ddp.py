@@ -42,9 +42,10 @@ from ddp_course.cli import CourseArgumentParser, CourseError, non_negative_int, 
 from ddp_course.data import DATASETS, load_dataset
 from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
 from ddp_course.models import MODEL_FOR_DATASET, build_model
-from ddp_course.seeding import seed_everything
+from ddp_course.seeding import dataloader_seed, seed_everything
 from ddp_course.training import (
-    copy_rank0_buffers, cpu_state_dict, evaluate, held_out_loader, restore_training_state, save_training_state,
+    copy_rank0_buffers, cpu_state_dict, evaluate, held_out_loader, rank0_decides, restore_training_state,
+    save_training_state,
 )  # fmt: skip
 
 # Where a restart continues: the epoch and the micro-batches of it already done (ddp_course.training
@@ -63,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="micro-batches per optimizer step; global batch = batch x this x world size")
     parser.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (momentum 0.9)")
     parser.add_argument("--seed", type=int, default=0, help="model initialization and data order")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability in the digits model (0: none)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: nccl with a GPU per rank, else gloo")
     parser.add_argument("--amp", action="store_true",
                         help="mixed precision on CUDA: bf16 autocast on GPUs with native bf16 (compute capability 8.0+), "
@@ -77,6 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         parser.error("--resume and --checkpoint-every need --checkpoint-dir")
+    if not 0 <= args.dropout < 1:
+        parser.error(f"--dropout: must be at least 0 and below 1, got {args.dropout}")
+    if args.dropout and args.dataset != "digits":
+        parser.error("--dropout: only the digits model has a dropout layer")
     return args
 
 
@@ -85,7 +91,9 @@ def restore(args, model_name, model, optimizer, scaler, ctx) -> dict:
     start = {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
     if not args.checkpoint_dir:
         return start
-    path = latest_checkpoint(args.checkpoint_dir)
+    # Rank 0 lists the directory for every rank: on a shared filesystem another node may still see
+    # an older listing, and ranks must never load different checkpoints (ddp_course.training.rank0_decides).
+    path = rank0_decides(lambda: latest_checkpoint(args.checkpoint_dir), ctx)
     if not args.resume:
         if path is not None:  # refuse, rather than overwrite another run's checkpoints
             raise CourseError(f"{args.checkpoint_dir} already holds checkpoints: add --resume, or use an empty directory")
@@ -104,9 +112,9 @@ def train(ctx, args) -> dict:
     splits = load_dataset(args.dataset, args.data_dir)  # every rank calls it: CIFAR-10's preparation is collective
     model_name = MODEL_FOR_DATASET[args.dataset]
     seed_everything(args.seed)  # same seed on every rank: identical initial weights
-    model = build_model(model_name, splits.num_classes).to(ctx.device)
-    # From here on randomness must differ per rank, or every rank's DataLoader workers would draw
-    # the same crops and flips (CIFAR-10 augmentation) for their different images.
+    model = build_model(model_name, splits.num_classes, args.dropout).to(ctx.device)
+    # From here on randomness must differ per rank (dropout masks; the DataLoader workers' crops and
+    # flips for CIFAR-10 are seeded from seed, rank and epoch: seeding.dataloader_seed).
     seed_everything(args.seed + ctx.rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # bf16 where the GPU does it natively (no loss scaling needed); older GPUs get fp16 + GradScaler.
@@ -128,9 +136,12 @@ def train(ctx, args) -> dict:
     # Each rank reads a disjoint 1/world_size of a permutation drawn from (seed + epoch).
     sampler = DistributedSampler(splits.train, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed)
     workers = args.workers if args.workers is not None else (0 if args.dataset == "digits" else 4)
+    # The loader's own generator, reseeded every epoch: iter(loader) must not draw from the default
+    # generator that dropout uses, or a resume puts every later mask one draw out of step (seeding.dataloader_seed).
+    loader_generator = torch.Generator()
     loader = DataLoader(
         splits.train, batch_size=args.batch_size, sampler=sampler, num_workers=workers,
-        pin_memory=ctx.device.type == "cuda", persistent_workers=workers > 0,
+        pin_memory=ctx.device.type == "cuda", persistent_workers=workers > 0, generator=loader_generator,
     )  # fmt: skip
     # Held-out: rank r takes samples r, r + world_size, ... - uneven slices, no padding duplicates.
     eval_loader = held_out_loader(splits.test, ctx, num_workers=min(workers, 2))
@@ -143,6 +154,7 @@ def train(ctx, args) -> dict:
         if global_step >= max_steps:
             break
         sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
+        loader_generator.manual_seed(dataloader_seed(args.seed, ctx.rank, epoch))
         skip = start["step_in_epoch"] if epoch == start["epoch"] else 0  # batches done before a resume
         epoch_loss = torch.zeros(2, device=ctx.device)  # [sum of per-sample losses, samples] on this rank
         batches_done, epoch_start = skip, time.perf_counter()

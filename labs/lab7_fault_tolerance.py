@@ -1,11 +1,13 @@
 """Lab 7: a training job that survives crashes - torchrun restarts it and it loses nothing.
 
-Launch from the repository root (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: see "Restarts on gloo" below):
+Launch from the repository root (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every torchrun line: see
+"Restarts and torchrun's store" below):
 
     crash rank 1 at step 25, restart:  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone \
                                            --nproc_per_node=2 --max-restarts=1 labs/lab7_fault_tolerance.py \
                                            --checkpoint-dir ckpt_crash --crash-at-step 25 --crash-rank 1 --save crash.pt
-    the same run without a crash:      torchrun --standalone --nproc_per_node=2 labs/lab7_fault_tolerance.py \
+    the same run without a crash:      TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone \
+                                           --nproc_per_node=2 labs/lab7_fault_tolerance.py \
                                            --checkpoint-dir ckpt_straight --save straight.pt
     lose a node (two terminals, the same free PORT; start the first, then the second, then
     Ctrl-C the second while it trains; add --step-delay-s 0.2 to have time):
@@ -20,23 +22,32 @@ report of the failure, a second start "attempt 1: resumed from .../checkpoint_st
 "5 steps recomputed", and at the end the same held-out accuracy as the run without a crash. The
 two --save files are equal bit for bit (on the CPU; on GPUs see the README on determinism). The
 elastic run goes on with world_size=1 after the second agent is gone, from the newest checkpoint.
+--dropout 0.1 gives the digits model a dropout layer: the crash run is still bit for bit the run
+without a crash (the tests run it so), because the checkpoint restores every rank's generators and
+the DataLoader draws from a generator of its own (ddp_course.seeding.dataloader_seed).
 
 How: every --checkpoint-every steps rank 0 writes model, optimizer, step, the position in the epoch
 and every rank's RNG state atomically, then all ranks meet at a barrier (ddp_course.training).
 Every start - the first, each restart, a start with fewer or more ranks - resumes from the newest
-checkpoint in --checkpoint-dir. The position is a count of the epoch's shuffled samples already
+checkpoint in --checkpoint-dir; rank 0 alone chooses it and tells the others, who may see an older
+listing on a shared filesystem (ddp_course.training.rank0_decides). The position is a count of the epoch's shuffled samples already
 trained on, not of batches, so it means the same on any number of ranks; ResumableDistributedSampler
 (ddp_course.resume) deals the rest of the epoch over the ranks there are now.
 
-Restarts on gloo: torchrun (2.4 and later) lets the workers share its rendezvous TCPStore, and it
-keeps ONE such store for all attempts (its comment says "we create a new TCPStore for every retry",
-but the server is made once per agent and reused). A restarted worker then finds the keys of the
-dead attempt - gloo's addresses of the old ranks - reads a dead rank's address, and fails with
-"connectFullMesh ... Connection refused" or waits. Here 8 of 8 restarts failed so. With
-TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment every attempt gets a fresh store
-(restarts never failed here, see benchmarks/lab7_crash_trials.py). The variable is read by the
-torchrun agent, not by this script, so it goes on the command line (and in labs/slurm/lab3.sbatch);
-this script refuses to run with restarts enabled without it.
+Restarts and torchrun's store: torchrun (2.4 and later) lets the workers share its rendezvous
+TCPStore (TORCHELASTIC_USE_AGENT_STORE=True), and it keeps ONE such store for all attempts (its
+comment says "we create a new TCPStore for every retry", but the server is made once per agent and
+reused). The workers' keys carry no attempt number (the default group's prefix is "default_pg"),
+so a restarted worker finds the keys of the dead attempt, reads a dead rank's address, and fails
+with "connectFullMesh ... Connection refused" or waits. Measured on gloo (8 of 8 restarts failed
+so here); the cause is backend-independent: NCCL's unique id is exchanged through the same keys.
+With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment every attempt gets a fresh
+store (restarts never failed here, see benchmarks/lab7_crash_trials.py). The variable is read by
+the torchrun agent, not by this script, so it goes on the command line (and in
+labs/slurm/lab3.sbatch). The script refuses to run on a shared agent store whether or not
+--max-restarts is set: an elastic job (--nnodes=MIN:MAX) restarts its workers when a node joins
+even with zero restarts allowed, and the agent does not tell the workers its --nnodes, so the
+script cannot tell an elastic job from a fixed one.
 """
 
 import argparse
@@ -59,8 +70,10 @@ from ddp_course.data import DATASETS, load_dataset
 from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
 from ddp_course.models import MODEL_FOR_DATASET, build_model
 from ddp_course.resume import RESTART_SAFE_ENV, ResumableDistributedSampler, samples_consumed
-from ddp_course.seeding import seed_everything
-from ddp_course.training import cpu_state_dict, evaluate, held_out_loader, restore_training_state, save_training_state
+from ddp_course.seeding import dataloader_seed, seed_everything
+from ddp_course.training import (
+    cpu_state_dict, evaluate, held_out_loader, rank0_decides, restore_training_state, save_training_state,
+)  # fmt: skip
 
 POSITION_KEYS = ("epoch", "samples_consumed")  # samples of the epoch's permutation trained on
 PROGRESS_FILE = "progress.json"  # the furthest step any attempt reached: what a restart recomputes
@@ -75,6 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=positive_int, default=32, help="per rank")
     parser.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (momentum 0.9)")
     parser.add_argument("--seed", type=int, default=0, help="model initialization and data order")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability in the digits model (0: none)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: nccl with a GPU per rank, else gloo")
     parser.add_argument("--checkpoint-dir", required=True, help="every start resumes from the newest checkpoint here")
     parser.add_argument("--checkpoint-every", type=positive_int, default=10, help="optimizer steps between checkpoints")
@@ -88,6 +102,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.step_delay_s < 0:
         parser.error(f"--step-delay-s: must be 0 or more, got {args.step_delay_s}")
+    if not 0 <= args.dropout < 1:
+        parser.error(f"--dropout: must be at least 0 and below 1, got {args.dropout}")
+    if args.dropout and args.dataset != "digits":
+        parser.error("--dropout: only the digits model has a dropout layer")
     return args
 
 
@@ -97,11 +115,17 @@ def attempt() -> int:
 
 
 def check_restarts_are_safe() -> None:
-    """Refuse restarts that would find the dead attempt's keys in torchrun's store (module docstring)."""
-    restarts_allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
-    if restarts_allowed and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    """Refuse a torchrun whose restarts would find the dead attempt's keys in its store (module docstring).
+
+    Any torchrun that shares its store: --max-restarts and --nnodes=MIN:MAX restart the workers,
+    and the script cannot see whether the job is elastic.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         variable, value = next(iter(RESTART_SAFE_ENV.items()))
-        raise CourseError(f"restarts on gloo need {variable}={value} in torchrun's environment: put it before torchrun")
+        raise CourseError(
+            f"torchrun's restarts (--max-restarts, --nnodes=MIN:MAX) need {variable}={value} in its environment: "
+            "put it before torchrun"
+        )
 
 
 def read_progress(directory) -> dict:
@@ -111,9 +135,10 @@ def read_progress(directory) -> dict:
 
 def resume(args, model_name, model, optimizer, scaler, ctx) -> dict:
     """Load the newest checkpoint, if any; return where to continue and how many steps are done again."""
-    progress = read_progress(args.checkpoint_dir)  # read before anyone writes: every rank sees the same
+    # Rank 0 lists the directory and reads the progress (before anyone writes) for every rank: on a
+    # shared filesystem another node may still see an older listing (ddp_course.training.rank0_decides).
+    path, progress = rank0_decides(lambda: (latest_checkpoint(args.checkpoint_dir), read_progress(args.checkpoint_dir)), ctx)
     start = {"epoch": 0, "samples_consumed": 0, "global_step": 0}
-    path = latest_checkpoint(args.checkpoint_dir)
     if path is not None:
         state = restore_training_state(path, model_name, model, optimizer, scaler, ctx, POSITION_KEYS)
         start = {key: state[key] for key in start}
@@ -139,7 +164,7 @@ def train(ctx, args) -> dict:
     splits = load_dataset(args.dataset, args.data_dir)
     model_name = MODEL_FOR_DATASET[args.dataset]
     seed_everything(args.seed)  # same seed on every rank: identical initial weights
-    model = build_model(model_name, splits.num_classes).to(ctx.device)
+    model = build_model(model_name, splits.num_classes, args.dropout).to(ctx.device)
     seed_everything(args.seed + ctx.rank)  # per-rank randomness from here (augmentation, dropout)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scaler = torch.amp.GradScaler("cuda", enabled=False)  # no AMP in this lab; kept so checkpoints match lab 3's
@@ -148,7 +173,7 @@ def train(ctx, args) -> dict:
     log(
         f"config: dataset={args.dataset} ({len(splits.train)} train) model={model_name} world_size={ctx.world_size} "
         f"backend={ctx.backend} batch={args.batch_size}/rank global_batch={args.batch_size * ctx.world_size} "
-        f"lr={args.lr} epochs={args.epochs} max_steps={args.max_steps} checkpoint_every={args.checkpoint_every} "
+        f"lr={args.lr} dropout={args.dropout} epochs={args.epochs} max_steps={args.max_steps} checkpoint_every={args.checkpoint_every} "
         f"attempt={attempt()} max_restarts={os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')}"
     )
     start = resume(args, model_name, model, optimizer, scaler, ctx)
@@ -158,7 +183,10 @@ def train(ctx, args) -> dict:
     num_samples = len(splits.train)
     sampler = ResumableDistributedSampler(num_samples, ctx.world_size, ctx.rank, seed=args.seed)
     workers = 0 if args.dataset == "digits" else 4  # CIFAR-10's augmentation runs in worker processes
-    loader = DataLoader(splits.train, batch_size=args.batch_size, sampler=sampler, num_workers=workers)
+    # The loader's own generator, reseeded every epoch: iter(loader) must not draw from the default
+    # generator that dropout uses, or a resume puts every later mask one draw out of step (seeding.dataloader_seed).
+    loader_generator = torch.Generator()
+    loader = DataLoader(splits.train, batch_size=args.batch_size, sampler=sampler, num_workers=workers, generator=loader_generator)
     recorder = open_recorder(args.record_samples, ctx)
     global_step, max_steps = start["global_step"], args.max_steps or float("inf")
     for epoch in range(start["epoch"], args.epochs):
@@ -166,6 +194,7 @@ def train(ctx, args) -> dict:
             break
         first = start["samples_consumed"] if epoch == start["epoch"] else 0
         sampler.set_epoch(epoch, first)  # this rank's share of the samples not yet trained on
+        loader_generator.manual_seed(dataloader_seed(args.seed, ctx.rank, epoch))
         batch_ids = list(sampler)  # the ids the loader will read, in order (for --record-samples)
         for batch, (images, labels) in enumerate(loader):
             images, labels = images.to(ctx.device), labels.to(ctx.device)

@@ -6,6 +6,7 @@ and several tests read the files and output of the same jobs.
 """
 
 import re
+import shutil
 import textwrap
 
 import pytest
@@ -262,6 +263,64 @@ def test_checkpoints_are_kept_where_training_continues(resumed_runs):
     assert (plain["epoch"], plain["step_in_epoch"]) == (0, 3)
 
 
+# --- dropout, and a rank that lists the checkpoint directory late -----------------------------------
+
+# Rank 1 plays a node of a shared filesystem that still lists the directory as it was before the
+# newest save (NFS attribute caching): its latest_checkpoint() returns the second newest file.
+STALE_LISTING = textwrap.dedent(
+    """
+    import os, sys
+    from ddp_course.checkpoint import list_checkpoints
+    from ddp_course.launch import import_script
+
+    lab = import_script(sys.argv[1])
+    if os.environ["RANK"] == "1":
+        lab.latest_checkpoint = lambda directory: list_checkpoints(directory)[-2]
+    sys.exit(lab.main(lab.parse_args(sys.argv[2:])))
+    """
+)
+DROPOUT_FLAGS = ["--dropout", 0.2, "--batch-size", 96, "--max-steps", STEPS]  # 8 batches per epoch: all in epoch 1
+
+
+@pytest.fixture(scope="module")
+def dropout_runs(run_lab3, tmp_path_factory):
+    """6 steps with dropout and a checkpoint every 2; then a resume from copies of checkpoints 2 and 4,
+    with rank 1 listing only 2. Both checkpoints are mid-epoch, where the resumed run makes a new
+    DataLoader iterator that the uninterrupted run did not make."""
+    directory = tmp_path_factory.mktemp("dropout")
+    straight = launch(run_lab3, *DROPOUT_FLAGS, "--checkpoint-dir", directory / "straight", "--checkpoint-every", 2,
+                      "--save", directory / "straight.pt")  # fmt: skip
+    (directory / "resumed").mkdir()
+    for step in (2, 4):
+        name = f"checkpoint_step{step:08d}.pt"
+        shutil.copy(directory / "straight" / name, directory / "resumed" / name)
+    driver = directory / "stale_listing.py"
+    driver.write_text(STALE_LISTING)
+    flags = [*DROPOUT_FLAGS, "--checkpoint-dir", directory / "resumed", "--resume", "--save", directory / "resumed.pt"]
+    resumed = run_torchrun(driver, [LAB3, *flags, "--timeout-s", 30], nproc=2, timeout_s=240)
+    return straight, resumed, directory
+
+
+@pytest.mark.timeout(600)
+def test_resume_with_dropout_and_a_stale_listing_continues_exactly(dropout_runs):
+    """Both ranks resume from step 4, the one rank 0 chose, and draw the uninterrupted run's dropout masks."""
+    _, resumed, directory = dropout_runs
+    assert resumed.ok, resumed.describe()
+    assert re.search(r"resumed from \S+checkpoint_step00000004\.pt: epoch 0, step 4", resumed.stdout), resumed.describe()
+    resumed_weights, straight_weights = load_weights(directory / "resumed.pt"), load_weights(directory / "straight.pt")
+    assert resumed_weights.keys() == straight_weights.keys()
+    assert all(torch.equal(resumed_weights[name], straight_weights[name]) for name in straight_weights)
+
+
+@pytest.mark.timeout(600)
+def test_the_dropout_run_differs_from_the_run_without_dropout(dropout_runs, equivalent_runs):
+    """2 ranks x 96, 6 steps, with dropout 0.2 against half_global_batch (the same without dropout)."""
+    straight, _, directory = dropout_runs
+    _, no_dropout = equivalent_runs
+    difference = max_relative_difference(load_weights(directory / "straight.pt"), load_weights(no_dropout / "half_global_batch.pt"))
+    assert difference > DIFFERENT_RESULT, f"dropout changed the weights by only {difference:.2e}"
+
+
 # --- BatchNorm buffers before evaluation --------------------------------------------------------------
 
 BUFFER_CHECK = textwrap.dedent(
@@ -323,6 +382,8 @@ BAD_FLAGS = [
     (["--dataset", "imagenet"], r"invalid choice: 'imagenet'"),
     (["--resume"], r"need --checkpoint-dir"),
     (["--accumulation-steps", "0"], r"--accumulation-steps: must be a positive integer"),
+    (["--dropout", "-0.5"], r"--dropout: must be at least 0 and below 1, got -0.5"),
+    (["--dropout", "0.1", "--dataset", "cifar10"], r"--dropout: only the digits model"),
 ]
 
 

@@ -1,13 +1,17 @@
 """Lab 7: crash, restart and resume exactly; resume on another world size without losing a sample.
 
 The sampler tests run in this process. The lab's launches are shared through module fixtures:
-one uninterrupted run and three crash-and-restart runs (benchmarks/lab7_crash_trials.py's trial
-functions, so the test and the 10-trial benchmark judge alike), and one elastic job of two agents
-that loses one. Under load on a 2-core machine a launch takes 30-80 s, hence the timeouts.
+one uninterrupted run and three crash-and-restart runs of a model with dropout
+(benchmarks/lab7_crash_trials.py's trial functions, so the test and the 10-trial benchmark judge
+alike), two resumes in which rank 1 plays a node with a stale view of the checkpoint directory,
+and one elastic job of two agents that loses one. Under load on a 2-core machine a launch takes
+30-80 s, hence the timeouts.
 """
 
 import json
 import re
+import shutil
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
+from ddp_course.models import DigitsCNN
 from ddp_course.multinode import Agent, agent_command, free_port, port_is_open, wait_until
 from ddp_course.resume import RESTART_SAFE_ENV, ResumableDistributedSampler, epoch_order, samples_consumed
 
@@ -97,6 +102,8 @@ def test_bad_positions_are_refused():
 
 # (crash step, crash rank) with a checkpoint every 5 of 30 steps (23 per epoch): a crash of rank 1
 # early, of rank 0 (the rank that writes checkpoints) before the end of epoch 1, of rank 1 in epoch 2.
+# Every run trains the digits model with --dropout 0.1 (lab7_crash_trials.DROPOUT): the weights only
+# match if the resumed run draws the same dropout masks as the uninterrupted one.
 CRASHES = [(7, 1), (19, 0), (26, 1)]
 
 
@@ -140,6 +147,17 @@ def test_the_weight_comparison_can_fail(crash_runs, trials):
 
 
 @pytest.mark.timeout(1800)
+def test_the_runs_train_with_dropout(crash_runs, trials):
+    """The runs above have a dropout layer that draws a new mask at every training forward pass."""
+    _, reference, _ = crash_runs
+    assert f" dropout={trials.DROPOUT} " in reference.stdout
+    model = DigitsCNN(dropout=trials.DROPOUT).train()
+    images = torch.ones(4, 1, 8, 8)
+    assert not torch.equal(model(images), model(images))  # two forward passes, two masks
+    assert DigitsCNN().state_dict().keys() == model.state_dict().keys()  # checkpoints of both load alike
+
+
+@pytest.mark.timeout(1800)
 def test_the_uninterrupted_run_checkpoints_its_position_in_samples(crash_runs):
     directory, reference, _ = crash_runs
     assert "0 steps recomputed in all" in reference.stdout
@@ -149,6 +167,77 @@ def test_the_uninterrupted_run_checkpoints_its_position_in_samples(crash_runs):
     assert (state["global_step"], state["epoch"], state["samples_consumed"]) == (30, 1, 448)
     assert len(state["rng_states"]) == 2 and not any(name.startswith("module.") for name in state["model"])
     assert json.loads((directory / "straight_checkpoints" / "progress.json").read_text())["global_step"] == 30
+
+
+# --- ranks with different views of the checkpoint directory -----------------------------------------
+
+# Rank 1 of a real job plays a node whose view of a shared checkpoint directory is out of date:
+# "listing": it lists the directory as it was before the newest save (NFS attribute caching);
+# "file": the newest file's name, but an older copy's contents (its global_step is 5 lower).
+STALE_NODE = textwrap.dedent(
+    """
+    import os, sys
+    import ddp_course.training as training
+    from ddp_course.checkpoint import list_checkpoints
+    from ddp_course.launch import import_script
+
+    stale, lab = sys.argv[1], import_script(sys.argv[2])
+    fresh_load = training.load_checkpoint
+
+    def older_copy(*args):
+        state = fresh_load(*args)
+        return {**state, "global_step": state["global_step"] - 5}
+
+    if os.environ["RANK"] == "1" and stale == "listing":
+        lab.latest_checkpoint = lambda directory: list_checkpoints(directory)[-2]
+    if os.environ["RANK"] == "1" and stale == "file":
+        training.load_checkpoint = older_copy
+    sys.exit(lab.main(lab.parse_args(sys.argv[3:])))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def stale_node_runs(crash_runs, trials):
+    """Resume to step 30 from copies of the uninterrupted run's checkpoints 20 and 25 (and its progress)."""
+    directory, _, _ = crash_runs
+    driver = directory / "stale_node.py"
+    driver.write_text(STALE_NODE)
+    results = {}
+    for stale in ("listing", "file"):
+        checkpoints = directory / f"stale_{stale}"
+        checkpoints.mkdir()
+        for name in ("checkpoint_step00000020.pt", "checkpoint_step00000025.pt", "progress.json"):
+            shutil.copy(directory / "straight_checkpoints" / name, checkpoints / name)
+        flags = [*trials.lab7_flags(directory, f"stale_{stale}"), "--timeout-s", 30]  # the later --timeout-s wins
+        results[stale] = run_torchrun(driver, [stale, LAB7, *flags], nproc=2, timeout_s=300, env=RESTART_SAFE_ENV)
+    return directory, results
+
+
+@pytest.mark.timeout(1800)
+def test_every_rank_resumes_from_the_checkpoint_rank_0_chose(stale_node_runs, trials):
+    """Rank 1 lists step 20 as the newest; the job still resumes from 25 on both ranks and ends bit for bit."""
+    directory, results = stale_node_runs
+    result = results["listing"]
+    assert result.ok, result.describe()
+    assert re.search(r"attempt 0: resumed from .*checkpoint_step00000025\.pt \(epoch 1, 128 samples", result.stdout)
+    assert trials.same_weights(directory / "stale_listing.pt", directory / "straight.pt")
+
+
+@pytest.mark.timeout(1800)
+def test_ranks_that_loaded_different_steps_stop_with_one_line(stale_node_runs):
+    directory, results = stale_node_runs
+    result = results["file"]
+    assert not result.ok and not result.timed_out and result.wall_s < 200, result.describe()
+    errors = [line for line in result.stderr.splitlines() if line.startswith("lab7_fault_tolerance.py: error:")]
+    assert len(errors) == 1, result.describe()
+    assert re.fullmatch(
+        r"lab7_fault_tolerance.py: error: the ranks resumed from different states of \S+checkpoint_step00000025\.pt: "
+        r"global_step \[25, 20\] in rank order \(does every node see the same files in the checkpoint directory\?\)",
+        errors[0],
+    ), errors[0]
+    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
+    assert not (directory / "stale_file.pt").exists()
 
 
 # --- elastic: two agents, one is lost, the other finishes alone ----------------------------------------
@@ -232,17 +321,31 @@ def test_the_sample_check_sees_a_skip_and_a_repeat(tmp_path):
 # --- restarts need a fresh store per attempt; bad input ----------------------------------------------
 
 
-def test_restarts_without_a_fresh_store_are_refused(monkeypatch):
+def test_a_shared_agent_store_is_refused_with_or_without_restarts(monkeypatch):
+    """--max-restarts=0 is no excuse: an elastic job (--nnodes=MIN:MAX) restarts its workers when a node
+    joins, and the agent does not tell the workers its --nnodes (finding 22 of the 2026-11-24 review)."""
     lab7 = import_script(LAB7)
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # what torchrun sets without RESTART_SAFE_ENV
-    with pytest.raises(lab7.CourseError, match="restarts on gloo need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
-        lab7.check_restarts_are_safe()
+    for max_restarts in ("1", "0"):
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", max_restarts)
+        with pytest.raises(lab7.CourseError, match="need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"):
+            lab7.check_restarts_are_safe()
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what it sets with it
     lab7.check_restarts_are_safe()
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # no restart, no stale keys
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")  # python labs/lab7_fault_tolerance.py: no torchrun
     lab7.check_restarts_are_safe()
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_without_the_variable_is_refused_with_one_line(tmp_path):
+    result = run_torchrun(LAB7, ["--checkpoint-dir", tmp_path / "c", "--max-steps", 2], nproc=2, timeout_s=150)
+    assert not result.ok and not result.timed_out, result.describe()
+    errors = [line for line in result.stderr.splitlines() if line.startswith("lab7_fault_tolerance.py: error:")]
+    assert errors == [
+        "lab7_fault_tolerance.py: error: torchrun's restarts (--max-restarts, --nnodes=MIN:MAX) need "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment: put it before torchrun"
+    ], result.describe()
+    assert not (tmp_path / "c").exists()
 
 
 BAD_FLAGS = [
@@ -252,6 +355,8 @@ BAD_FLAGS = [
     (["--checkpoint-dir", "c", "--crash-rank", "-1"], r"--crash-rank: must be 0 or more"),
     (["--checkpoint-dir", "c", "--step-delay-s", "-1"], r"--step-delay-s: must be 0 or more"),
     (["--checkpoint-dir", "c", "--batch-size", "many"], r"--batch-size: must be an integer"),
+    (["--checkpoint-dir", "c", "--dropout", "1"], r"--dropout: must be at least 0 and below 1, got 1.0"),
+    (["--checkpoint-dir", "c", "--dropout", "0.1", "--dataset", "cifar10"], r"--dropout: only the digits model"),
 ]
 
 
@@ -263,7 +368,7 @@ def test_bad_flags_are_refused_with_one_line(args, expected, refused_flag_line):
 @pytest.mark.timeout(180)
 def test_a_crash_rank_outside_the_job_fails_with_one_line(tmp_path):
     flags = ["--checkpoint-dir", tmp_path / "c", "--crash-at-step", 3, "--crash-rank", 2, "--timeout-s", 30]
-    result = run_torchrun(LAB7, flags, nproc=2, timeout_s=150)
+    result = run_torchrun(LAB7, flags, nproc=2, timeout_s=150, env=RESTART_SAFE_ENV)
     assert not result.ok and not result.timed_out, result.describe()
     errors = [line for line in result.stderr.splitlines() if line.startswith("lab7_fault_tolerance.py: error:")]
     assert errors == ["lab7_fault_tolerance.py: error: --crash-rank 2 does not exist in a job of 2 ranks"], result.describe()
