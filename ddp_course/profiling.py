@@ -59,6 +59,7 @@ from typing import Callable
 PHASES = ("forward", "backward", "optimizer")
 _PHASE_PREFIX = "phase:"
 _STEP_PREFIX = "step "
+_LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # trace categories of host-side kernel launches
 # The autograd engine runs one of these per node of the backward graph (CPU tensors: on the thread that
 # called backward()). AccumulateGrad only adds a finished gradient into .grad - and runs the hooks DDP
 # uses to launch bucket all-reduces - so it is not gradient computation.
@@ -209,9 +210,12 @@ def read_trace(path: str | Path, rank: int | None = None, collective: str | None
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
     step_spans = sorted((_span(e) for e in events if e["name"].startswith(_STEP_PREFIX) and e.get("cat") == "user_annotation"),
                         key=lambda s: s.start_us)  # fmt: skip
-    # GPU kernels run later than the host call that launched them: place each by its launch.
+    # GPU kernels run later than the host call that launched them: place each by its launch, made
+    # through the runtime API (cudaLaunchKernel) or the driver API (cuLaunchKernel/cuLaunchKernelEx,
+    # which recent NCCL and cuBLASLt use). Without its launch, a backward kernel that runs after
+    # backward() returned on the host would fall outside the backward phase.
     launch_time = {e["args"]["correlation"]: float(e["ts"]) for e in events
-                   if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}  # fmt: skip
+                   if e.get("cat") in _LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}  # fmt: skip
 
     def host_time(event: dict) -> float:
         correlation = event.get("args", {}).get("correlation")

@@ -128,6 +128,18 @@ def test_hand_made_gpu_trace_places_kernels_by_their_launch(tmp_path):
     ]  # fmt: skip
 
 
+def test_kernels_launched_through_the_driver_api_are_placed_by_their_launch(tmp_path):
+    """Review finding 15: a kernel launched with cuLaunchKernelEx (cat "cuda_driver") belongs to backward
+    by its launch at 250 us, although it runs at 705-850 us, after backward ended on the host at 400 us."""
+    events = gpu_step(0)
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and e["args"]["correlation"] == 3:
+            e.update(name="cuLaunchKernelEx", cat="cuda_driver")
+    (step,) = profiling.read_trace(write_trace(tmp_path / "trace_rank0.json", events))
+    assert [(s.start_us, s.end_us) for s in step.gradient_compute] == [(500, 700), (705, 850)]
+    assert profiling.overlapped_compute_fraction(step) == 1.0
+
+
 def test_timeline_draws_every_rank(tmp_path):
     import matplotlib.pyplot as plt
 
