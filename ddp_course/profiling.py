@@ -42,8 +42,9 @@ compares intervals. How much communication a step really leaves exposed is measu
 the step time with and without synchronisation (`no_sync`), as lab 5 does.
 
 On a GPU (written, not run on a GPU yet): kernels are attributed to the step and phase of the host
-call that launched them (the trace's `correlation` ids), gradient computation is every non-NCCL kernel
-launched during backward, and communication is the NCCL kernels.
+call that launched them (the trace's `correlation` ids; runtime-API and driver-API launches alike),
+gradient computation is every non-NCCL kernel launched during backward, and communication is the
+NCCL kernels.
 """
 
 from __future__ import annotations
