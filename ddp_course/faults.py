@@ -14,6 +14,13 @@ the lines. The kinds, with the text gloo (torch 2.14) raises for each:
                   "Timed out waiting 3000ms for recv operation to complete"
     peer gone     the peer's end of the connection closed - it gave up first, crashed or exited:
                   "Connection closed by peer [127.0.0.1]:PORT ..."
+    rendezvous    init_process_group: the ranks never all met in the store (they disagree on
+                  WORLD_SIZE, or one never started). Rank 0, which hosts the store, raises
+                  "Timed out after 3 seconds waiting for clients. 2/3 clients joined."; a rank
+                  waiting for a peer's address raises "wait timeout after 3000ms, keys: .../0"
+    unreachable   init_process_group: nothing listens at MASTER_ADDR:MASTER_PORT (a wrong port,
+                  a master that never started, a firewall):
+                  "The client socket has timed out after 3000ms while trying to connect to (HOST, PORT)."
     error         anything else (the first line, as raised)
 
 On NCCL most of these never reach Python: the watchdog aborts the process (see lecture 6).
@@ -29,7 +36,7 @@ MISMATCH = "Detected mismatch between collectives"
 
 @dataclass(frozen=True)
 class Diagnosis:
-    kind: str  # one of: mismatch, missing rank, timeout, peer gone, error
+    kind: str  # one of: mismatch, missing rank, timeout, peer gone, rendezvous, unreachable, error
     summary: str  # deterministic for a given failure: no paths, ports or timings
 
     def __str__(self) -> str:
@@ -41,6 +48,9 @@ def diagnose(error: BaseException, rank: int | None = None) -> Diagnosis:
     text = str(error)
     if MISMATCH in text:
         return Diagnosis("mismatch", describe_mismatch(text, rank))
+    startup = diagnose_startup(text)
+    if startup:
+        return startup
     missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier in (\d+) ms", text)
     if missing:
         ranks = missing.group(1).strip().rstrip(",")
@@ -51,6 +61,23 @@ def diagnose(error: BaseException, rank: int | None = None) -> Diagnosis:
     if re.search(r"Connection (closed|reset) by peer", text):
         return Diagnosis("peer gone", "the peer closed its connection (it gave up first, crashed or exited)")
     return Diagnosis("error", first_line(text))
+
+
+def diagnose_startup(text: str) -> Diagnosis | None:
+    """The errors init_process_group(init_method="env://") raises when the ranks never meet, or None."""
+    clients = re.search(r"waiting for clients\. (\d+)/(\d+) clients joined", text)
+    if clients:
+        joined, expected = clients.groups()
+        return Diagnosis("rendezvous", f"only {joined} of the {expected} processes this rank expects (WORLD_SIZE) reached the store")
+    key = re.search(r"wait timeout after (\d+)ms, keys: (\S+)", text)
+    if key:
+        peer = re.search(r"/(\d+)$", key.group(2))  # the key names the rank whose address it waited for
+        whose = f"rank {peer.group(1)}'s" if peer else "a peer's"
+        return Diagnosis("rendezvous", f"{whose} address never appeared in the store within {key.group(1)} ms")
+    connect = re.search(r"client socket has timed out after (\d+)ms while trying to connect", text)
+    if connect:
+        return Diagnosis("unreachable", f"no store answered at MASTER_ADDR:MASTER_PORT within {connect.group(1)} ms")
+    return None
 
 
 def first_line(text: str) -> str:
@@ -76,3 +103,26 @@ def describe_mismatch(text: str, rank: int | None = None) -> str:
     differ = ", ".join(dict.fromkeys(aspect.lower() for aspect in aspects)) or "an unknown aspect"
     ran = f"this rank ran {mine}; " if mine else ""
     return f"{MISMATCH} ({ran}they differ in {differ})"
+
+
+def run_plain_ranks(command: list, world_size_by_rank: dict, timeout_s: float = 60) -> dict:
+    """Start one plain `python` process per rank - no torchrun - each told its own RANK and WORLD_SIZE.
+
+    This is how a job is started by hand or by a cluster script (lecture 6's start-up demos): every
+    process gets MASTER_ADDR and one free MASTER_PORT, where rank 0's init_process_group hosts the
+    store. Give {0: 3, 1: 2} and the ranks disagree on the world size; leave rank 0 out and nothing
+    listens on the port. Returns {rank: RunResult}; every process is killed after timeout_s.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ddp_course.launch import run_command
+    from ddp_course.multinode import free_port
+
+    port = free_port()
+    with ThreadPoolExecutor(max_workers=len(world_size_by_rank)) as pool:
+        jobs = {
+            rank: pool.submit(run_command, command, timeout_s=timeout_s, env={
+                "RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            for rank, world_size in world_size_by_rank.items()
+        }
+        return {rank: job.result() for rank, job in jobs.items()}

@@ -28,6 +28,17 @@ torch.distributed.elastic's @record, so torchrun's failure report shows the cras
 rank, its exit code and, from the error file @record writes, the exception. Otherwise the script
 exits 0. gloo only; on NCCL the same bugs behave as lecture 6,
 section 2 describes (not run here).
+
+Start-up failures need processes that never meet, so they run without torchrun, as plain `python`
+processes given RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (ddp_course.faults.run_plain_ranks):
+
+    RANK=0 WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=PORT python faults_demos.py --init-only &
+    RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=PORT python faults_demos.py --init-only
+
+--init-only calls init_process_group("gloo", init_method="env://", timeout=--timeout-s), prints one
+line - "[rank R] init_process_group raised ERRORTYPE after the T s timeout: KIND: SUMMARY" - and
+exits 1 (0 if the job formed). Ranks that disagree on WORLD_SIZE, or a MASTER_PORT where nothing
+listens (start rank 1 alone), both end in a rendezvous error after the timeout, not a hang.
 """
 
 import os
@@ -36,6 +47,7 @@ os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "64")  # before any process group 
 
 import pickle  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -53,11 +65,39 @@ from ddp_course.seeding import seed_everything  # noqa: E402
 
 def parse_args(argv=None):
     parser = CourseArgumentParser(prog="faults_demos.py", description="Lecture 6: wrong results, a raise, the flight recorder.")
-    parser.add_argument("--json", required=True, help="rank 0 writes every demo's facts here")
-    parser.add_argument("--trace-dir", required=True, help="each rank dumps its flight recorder here (fr_RANK)")
-    parser.add_argument("--timeout-s", type=positive_float, default=2.0, help="the flight-recorder demo's wait")
+    parser.add_argument("--json", help="rank 0 writes every demo's facts here (required under torchrun)")
+    parser.add_argument("--trace-dir", help="each rank dumps its flight recorder here, fr_RANK (required under torchrun)")
+    parser.add_argument("--timeout-s", type=positive_float, default=2.0, help="the flight-recorder and start-up demos' wait")
     parser.add_argument("--crash-at-exit", action="store_true", help="rank 1 raises at the end: torchrun's failure report")
-    return parser.parse_args(argv)
+    parser.add_argument("--init-only", action="store_true", help="plain python: init_process_group from the environment, report")
+    args = parser.parse_args(argv)
+    if not args.init_only and not (args.json and args.trace_dir):
+        parser.error("--json and --trace-dir are required (unless --init-only)")
+    return args
+
+
+START_UP_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_only(args) -> int:
+    """One rank of a job started by hand: does init_process_group(env://) form the job, or what does it raise?"""
+    missing = [name for name in START_UP_VARIABLES if name not in os.environ]
+    if missing:
+        print(f"faults_demos.py: error: --init-only needs {', '.join(missing)} in the environment", file=sys.stderr)
+        return 2
+    rank, timeout_s = int(os.environ["RANK"]), args.timeout_s
+    started = time.monotonic()
+    try:
+        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as error:  # DistStoreError and DistNetworkError are RuntimeErrors
+        # When, in words that do not change from run to run: the store retries until the timeout.
+        when = "after" if time.monotonic() - started >= timeout_s else "before"
+        print(f"[rank {rank}] init_process_group raised {type(error).__name__} {when} the {timeout_s:g} s timeout: "
+              f"{diagnose(error, rank)}", flush=True)
+        return 1
+    print(f"[rank {rank}] init_process_group formed a job of {dist.get_world_size()}", flush=True)
+    dist.destroy_process_group()
+    return 0
 
 
 def group_with_debug(level):
@@ -183,4 +223,5 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_args()))
+    arguments = parse_args()
+    sys.exit(init_only(arguments) if arguments.init_only else main(arguments))
