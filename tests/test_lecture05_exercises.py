@@ -5,7 +5,8 @@ test then swaps one function for a wrong answer a learner might write, runs the 
 (check_exercise_N), and expects "not yet"; the lecture's stub must make the check say "not solved
 yet". So a check that cannot fail, or a solution that no longer passes, turns a test red.
 tests/test_exercises_in_step.py keeps the exercise and check cells in step with the solutions'; the
-first test here keeps the solutions' copies of the lecture's set-up cells identical.
+first test here keeps the solutions' copies of the lecture's set-up cells identical. The last one
+holds the lecture's scaling prose (sections 2-3) against its own model's numbers.
 """
 
 import math
@@ -14,7 +15,7 @@ import nbformat
 import pytest
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import check_verdict, not_solved_verdicts, run_all_cells, stub_verdicts
+from ddp_course.notebooks import check_verdict, not_solved_verdicts, run_all_cells, run_source, stub_verdicts
 
 LECTURE = REPO_ROOT / "lectures" / "05_scaling_performance.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "05_scaling_performance_solutions.ipynb"
@@ -113,3 +114,25 @@ def test_each_check_rejects_plausible_wrong_answers(solved, number):
     namespace, _ = solved
     for mistake, answer in WRONG_ANSWERS[number].items():
         assert check_verdict(namespace, number, **{FUNCTIONS[number]: answer}) == f"exercise {number}: not yet", mistake
+
+
+@pytest.mark.timeout(120)
+def test_scaling_prose_agrees_with_the_lectures_own_model(solved):
+    """Strong scaling is Amdahl's curve only without overlap; weak-scaling efficiency keeps falling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    cells = nbformat.read(LECTURE, as_version=4).cells
+    prose = " ".join(cell.source for cell in cells if cell.cell_type == "markdown")
+    assert "exactly Amdahl" not in prose and "levels off" not in prose  # the refuted claims
+    assert "$o = 0$" in prose and "$\\log N$ for a tree" in prose
+    scaling = [cell.source for cell in cells if cell.source.startswith("def gradient_allreduce_seconds")]
+    assert len(scaling) == 1, "the strong- and weak-scaling cell of section 3"
+    namespace = dict(solved[0])
+    run_source(scaling[0], namespace)
+    counts, no_overlap, overlap = namespace["gpu_counts"], namespace["speedups"][0.0], namespace["speedups"][1.0]
+    peak = overlap.index(max(overlap))
+    assert counts[peak] == 16 and max(overlap) > max(no_overlap)  # above the o = 0 limit: not Amdahl's curve
+    assert all(a > b for a, b in zip(overlap[peak:], overlap[peak + 1:]))  # then it falls
+    efficiency = [namespace["weak_scaling_efficiency"](namespace["gpt2"], n, namespace["network"]) for n in (16, 64, 256, 1024)]
+    assert all(a > b for a, b in zip(efficiency, efficiency[1:])) and round(efficiency[-1], 2) == 0.31  # never levels off

@@ -4,8 +4,9 @@ One launch with every part at tiny sizes (module fixture, a few tens of seconds 
 each test checks one claim the lecture prints from it: the bytes each communication hook sends,
 mixed precision leaving them unchanged, no_sync accumulation sending one k-th with the same
 gradients, ZeRO-1 splitting Adam's state without changing the weights, one trace per rank whose
-all-reduces match DDP's buckets, and lab 5's measurement for each bucket cap. Bad flags give one
-line and a non-zero exit.
+all-reduces match DDP's buckets, lab 5's measurement for each bucket cap, and GradScaler skipping
+an overflow on every rank (on one rank only under no_sync). Bad flags give one line and a non-zero
+exit; the step timer synchronizes CUDA before reading the clock.
 """
 
 import json
@@ -93,6 +94,36 @@ def test_buckets_part_is_lab5s_measurement_per_cap(job):
     assert [r["bucket_cap_mb"] for r in records] == ["default", 25.0]
     assert records[0]["bucket_sizes_mib"] != records[1]["bucket_sizes_mib"]  # the 1 MiB first bucket is the difference
     assert all(r["world_size"] == 2 and r["step_time_s"] > 0 for r in records)
+
+
+@pytest.mark.timeout(480)
+def test_gradscaler_skips_an_overflow_on_every_rank_only_through_the_all_reduce(job):
+    _, perf = job
+    scaled = perf["gradscaler"]
+    half = scaled["init_scale"] / 2
+    ddp, no_sync = scaled["ddp"], scaled["no_sync"]
+    for steps in ddp + no_sync:  # step 1 is finite everywhere and steps
+        assert steps[0]["stepped"] and steps[0]["gradients_finite"] and steps[0]["scale"] == scaled["init_scale"]
+    # With DDP: rank 0's own loss is finite, yet the all-reduce gives it rank 1's inf: both skip, both halve.
+    assert ddp[0][1]["loss_finite"] and not ddp[1][1]["loss_finite"]
+    assert [(s[1]["gradients_finite"], s[1]["stepped"], s[1]["scale"]) for s in ddp] == [(False, False, half)] * 2
+    assert ddp[0][1]["weights"] == ddp[1][1]["weights"] == ddp[0][0]["weights"]  # unchanged by step 2, equal on both
+    # Without the all-reduce only rank 1 sees the overflow: the replicas part ways.
+    assert [(s[1]["stepped"], s[1]["scale"]) for s in no_sync] == [(True, scaled["init_scale"]), (False, half)]
+    assert no_sync[0][1]["weights"] != no_sync[1][1]["weights"]
+
+
+@pytest.mark.timeout(60)
+def test_the_step_clock_synchronizes_cuda_first(monkeypatch):
+    from types import SimpleNamespace
+
+    job_module = import_script(JOB)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    job_module.clock(SimpleNamespace(device=torch.device("cpu")))
+    assert calls == []  # nothing to wait for on the CPU
+    job_module.clock(SimpleNamespace(device=torch.device("cuda", 1)))
+    assert calls == [torch.device("cuda", 1)]
 
 
 @pytest.mark.timeout(480)
