@@ -1,20 +1,32 @@
-"""GPU smoke run: every lab once with NCCL on all visible GPUs, small sizes, one line per lab.
+"""GPU smoke run: every command the course tells a learner to run by hand, once, on a GPU machine.
 
     python benchmarks/gpu_smoke.py [--only lab1,lab3] [--keep DIR]
 
-Run it first on any GPU machine, before teaching from it: each lab script runs under
-`torchrun --standalone --nproc_per_node=<GPU count> ... --backend nccl` with a timeout, and the
-script prints one line per lab - PASS or FAIL, wall time, the lab's key figure (lab 1: bus
-bandwidth at the largest message; lab 2: checks passed; lab 3: held-out accuracy; lab 4: the
-solution's accuracy; lab 5: samples/s and the communication fraction; lab 6: every from-scratch wrapper's check and
-BucketedDDP's step time against torch DDP's; lab 7: accuracy after a checkpointed run, and the Join
-scenario of the hang lab, which needs 2 GPUs) - then `N passed, M failed`.
-The exit status is 0 only when every lab passed. On a machine without a CUDA GPU it says so in one
-line and exits 0 (pytest covers the CPU path).
+Run it first on any GPU machine, before teaching from it. The labs and lecture 5's job run under
+`torchrun --standalone --nproc_per_node=<GPU count> ... --backend nccl` with a timeout, at small
+sizes; lab 5's sweep driver runs with plain python, as the learner runs it. Three lecture scripts
+are CPU-only by design and start gloo even where GPUs are visible (lecture 4's demos, lecture 6's
+faults demos; lab 7's hang scenarios do too): they run here on 2 gloo ranks, with the GPUs
+visible, as a learner's command would - which is exactly the case that once crashed lecture 4's
+script (review finding 1). The script prints one line per row - PASS or FAIL, wall time, the key
+figure (lab 1: bus bandwidth at the largest message; lab 2: checks passed; lab 3: held-out
+accuracy; lab 4: the solution's accuracy; lab 5: samples/s and the communication fraction, and the
+sweep's scaling efficiency; lab 6: every from-scratch wrapper's check and BucketedDDP's step time
+against torch DDP's; lab 7: accuracy after a checkpointed run and after a crash that torchrun
+restarted, and the Join scenario of the hang lab; lectures 4-6: what each script's report must
+show) - then `N passed, M failed`. Rows that need 2 ranks (min_ranks=2: the Join scenario, the
+1,2 sweep) are skipped on a 1-GPU machine with a SKIP line.
+The exit status is 0 only when every row that ran passed. On a machine without a CUDA GPU it says
+so in one line and exits 0 (pytest covers the CPU path).
 
-LAB_RUNS is the table of small per-lab commands. tests/test_device_discipline.py runs the same
-commands on 2 gloo ranks with every collective's devices checked. To add a lab, add a row and a
-key-figure function.
+Not here: lab 4's checker and the benchmarks/ scripts launch their jobs with the GPUs hidden (gloo
+on the CPU, by design), so a GPU machine runs them exactly as pytest does; the hang demos that end
+in a timeout on purpose (lab 2 without --join, lab 7's broken scenarios) run on gloo by default and
+are tested by pytest; multi-node and elastic commands need several machines.
+
+LAB_RUNS is the table of small per-row commands. tests/test_device_discipline.py runs the same
+torchrun commands on 2 gloo ranks with every collective's devices checked. To add a command, add a
+row and a key-figure function.
 """
 
 from __future__ import annotations
@@ -27,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ddp_course.launch import REPO_ROOT, RunResult, run_torchrun
+from ddp_course.launch import REPO_ROOT, RunResult, run_command, run_torchrun
+from ddp_course.resume import RESTART_SAFE_ENV
 
 
 class KeyFigureError(Exception):
@@ -96,6 +109,61 @@ def lab5_figure(out: Path) -> str:
     return f"{record['samples_per_s']:.0f} samples/s, comm fraction {record['comm_fraction']:.2f}"
 
 
+def lab5_sweep_figure(out: Path) -> str:
+    """The sweep driver measured every world size it was asked for, with an efficiency for each."""
+    records = read_json(out / "sweep.json")
+    sizes = sorted(record["world_size"] for record in records)
+    if sizes != [1, 2]:
+        raise KeyFigureError(f"the sweep measured world sizes {sizes}, not [1, 2]")
+    two = next(record for record in records if record["world_size"] == 2)
+    return f"world sizes 1 and 2 measured, weak-scaling efficiency at 2: {two['weak_scaling_efficiency']:.2f}"
+
+
+def lab7_restart_figure(out: Path) -> str:
+    """torchrun restarted the crashed job once and it resumed from the step-10 checkpoint."""
+    record = read_json(out / "lab7.json")
+    if (record["attempt"], record["resumed_from_step"], record["recomputed_steps"]) != (1, 10, 5):
+        raise KeyFigureError(f"expected attempt 1 resumed from step 10 with 5 steps recomputed, got attempt {record['attempt']}, "
+                             f"step {record['resumed_from_step']}, {record['recomputed_steps']} recomputed")  # fmt: skip
+    return f"restarted once, resumed from step 10, 5 steps recomputed, held-out accuracy {record['eval_accuracy']:.1%}"
+
+
+def lecture4_figure(out: Path) -> str:
+    """Lecture 4's demos all ran, on gloo on every rank, and wrote their profiler traces."""
+    report = read_json(out / "report.json")
+    backends = sorted({facts["backend"] for facts in report["environment"]})
+    if backends != ["gloo"]:
+        raise KeyFigureError(f"the demos ran on {backends}, not gloo (they use CPU tensors)")
+    if not report.get("overlap_traces") or not sorted((out / "traces").glob("*/*.json")):
+        raise KeyFigureError("no profiler traces in traces/")
+    return f"{len(report)} demos on gloo, {len(report['environment'])} ranks, traces written"
+
+
+def lecture5_figure(out: Path) -> str:
+    """Lecture 5's job wrote every part, and the fp16 hook sent half of the plain all-reduce's bytes."""
+    perf = read_json(out / "perf.json")
+    missing = [part for part in LECTURE5_PARTS if part not in perf]
+    if missing:
+        raise KeyFigureError(f"perf.json lacks part(s) {', '.join(missing)}")
+    plain, fp16 = perf["hooks"]["allreduce"]["bytes_per_step"], perf["hooks"]["fp16"]["bytes_per_step"]
+    if fp16 * 2 != plain:
+        raise KeyFigureError(f"the fp16 hook sent {fp16} bytes per step, not half of {plain}")
+    return f"{len(LECTURE5_PARTS)} parts on {perf['backend']}, fp16 hook sends half the bytes, comm fraction {perf['buckets'][0]['comm_fraction']:.2f}"
+
+
+def lecture6_figure(out: Path) -> str:
+    """Lecture 6's demos show what the lecture says: silent divergence, an error on every rank, a recorded hang."""
+    ranks = read_json(out / "faults.json")["per_rank"]
+    expected = {"load_after_wrap_on_rank0": False, "load_before_wrap_everywhere": True}
+    if any(facts["replicas_identical"] != expected for facts in ranks):
+        raise KeyFigureError(f"replicas after loading: {[facts['replicas_identical'] for facts in ranks]}, expected {expected}")
+    if any(facts["unused_parameter"]["raised_at_iteration"] != 1 for facts in ranks):
+        raise KeyFigureError("the unused parameter did not raise at iteration 1 on every rank")
+    if any(facts["flight_recorder"]["entries"] == 0 for facts in ranks):
+        raise KeyFigureError("a rank's flight recorder holds no entry of the hang demo")
+    return f"{len(ranks)} ranks: load after wrap diverges, unused parameter raises at iteration 1, flight recorder dumped"
+
+
 @dataclass(frozen=True)
 class LabRun:
     name: str
@@ -105,9 +173,27 @@ class LabRun:
     gpu_only: bool = False  # e.g. --amp, which the labs refuse on the CPU
     min_ranks: int = 1  # a lab that needs more processes than the machine has GPUs is skipped
     timeout_s: float = 300
+    gloo_by_design: bool = False  # CPU tensors only: always 2 gloo ranks, no --backend flag (GPUs stay visible)
+    torchrun_args: tuple[str, ...] = ()  # e.g. --max-restarts=1
+    env: tuple[tuple[str, str], ...] = ()  # extra environment for torchrun and its workers
+    plain_python: bool = False  # a driver the learner runs with python; it launches its own torchrun jobs
 
     def command_args(self, out: Path, backend: str) -> list[str]:
-        return [arg.replace("{out}", str(out)) for arg in self.args] + ["--backend", backend]
+        args = [arg.replace("{out}", str(out)) for arg in self.args]
+        return args if self.gloo_by_design else args + ["--backend", backend]
+
+    def ranks(self, gpus: int) -> int:
+        """Processes per run on a machine with this many GPUs: one per GPU, or 2 for a CPU-only script."""
+        return 2 if self.gloo_by_design else gpus
+
+
+def run_row(lab: LabRun, out: Path, gpus: int) -> RunResult:
+    """Launch one row as a learner would on this machine: GPUs visible, NCCL unless the script is CPU-only."""
+    args = lab.command_args(out, "nccl")
+    if lab.plain_python:
+        return run_command([sys.executable, str(REPO_ROOT / lab.script), *args], timeout_s=lab.timeout_s, use_gpus=True)
+    return run_torchrun(REPO_ROOT / lab.script, args, nproc=lab.ranks(gpus), timeout_s=lab.timeout_s, use_gpus=True,
+                        env=dict(lab.env), torchrun_args=list(lab.torchrun_args))  # fmt: skip
 
 
 LAB_RUNS = (
@@ -130,7 +216,24 @@ LAB_RUNS = (
            min_ranks=2),
     LabRun("lab5_resnet18_amp", "labs/lab5_scaling.py",
            ("--config", "resnet18", "--amp", "--warmup-steps", "2", "--steps", "5", "--repeats", "1", "--json", "{out}/lab5.json"), lab5_figure, gpu_only=True),
+    # The README's and lab 5 sheet's sweep: the driver starts a 1-rank and a 2-rank job on the GPUs it sees.
+    LabRun("lab5_sweep", "labs/lab5_scaling.py",
+           ("--sweep", "1,2", "--configs", "comm_bound", "--warmup-steps", "1", "--steps", "2", "--repeats", "1", "--rounds", "1",
+            "--json", "{out}/sweep.json"), lab5_sweep_figure, min_ranks=2, plain_python=True),
+    # The README's crash-and-restart run; rank 0 crashes, so that it runs on one GPU too.
+    LabRun("lab7_restart", "labs/lab7_fault_tolerance.py",
+           ("--max-steps", "20", "--checkpoint-dir", "{out}/checkpoints", "--crash-at-step", "15", "--crash-rank", "0",
+            "--metrics-json", "{out}/lab7.json"), lab7_restart_figure,
+           torchrun_args=("--max-restarts=1",), env=tuple(RESTART_SAFE_ENV.items())),
+    LabRun("lecture4_demos", "lectures/scripts/ddp_internals_demos.py", ("--json", "{out}/report.json", "--trace-dir", "{out}/traces"),
+           lecture4_figure, gloo_by_design=True),
+    LabRun("lecture5_perf_job", "lectures/scripts/perf_ddp_job.py",
+           ("--out-dir", "{out}", "--hook-steps", "11", "--profile-steps", "2", "--bucket-caps", "default,25", "--timing-steps", "1",
+            "--timing-repeats", "1", "--accumulation-steps", "2"), lecture5_figure),
+    LabRun("lecture6_faults", "lectures/scripts/faults_demos.py", ("--json", "{out}/faults.json", "--trace-dir", "{out}/flight_recorder"),
+           lecture6_figure, gloo_by_design=True),
 )  # fmt: skip
+LECTURE5_PARTS = ("profile", "hooks", "buckets", "accumulation", "zero", "gradscaler")  # perf_ddp_job.py's default --parts
 
 
 @dataclass(frozen=True)
@@ -190,16 +293,17 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown lab(s) {', '.join(unknown)}; the table has {', '.join(lab.name for lab in LAB_RUNS)}")
 
-    print(f"gpu_smoke: {gpus} GPU(s) ({torch.cuda.get_device_name(0)}), torch {torch.__version__}, NCCL, {gpus} rank(s) per lab", flush=True)
+    print(f"gpu_smoke: {gpus} GPU(s) ({torch.cuda.get_device_name(0)}), torch {torch.__version__}, NCCL, {gpus} rank(s) per lab "
+          "(the CPU-only lecture scripts: 2 gloo ranks)", flush=True)
     root = args.keep or Path(tempfile.mkdtemp(prefix="gpu_smoke_"))
     outcomes = []
     for lab in (lab for lab in LAB_RUNS if lab.name in names):
-        if gpus < lab.min_ranks:
+        if gpus < lab.min_ranks and not lab.gloo_by_design:
             print(f"SKIP  {lab.name:<18} needs {lab.min_ranks} GPUs, this machine has {gpus}", flush=True)
             continue
         out = root / lab.name
         out.mkdir(parents=True, exist_ok=True)
-        result = run_torchrun(REPO_ROOT / lab.script, lab.command_args(out, "nccl"), nproc=gpus, timeout_s=lab.timeout_s, use_gpus=True)
+        result = run_row(lab, out, gpus)
         (out / "output.txt").write_text(result.describe())  # everything, for a FAIL's post-mortem
         outcomes.append(judge(lab, result, out))
         print(format_line(outcomes[-1]), flush=True)

@@ -41,7 +41,27 @@ SAMPLES = {
         "finished: steps per rank [2, 3]; identical weights on every rank: True; "
         "equal to the Join rule computed in one process: True")},
         "finished: steps per rank [2, 3], identical weights equal to the Join rule"),
+    "lab5_sweep": ("sweep.json", [
+        {"config": "comm_bound", "world_size": 1, "samples_per_s": 26.1, "weak_scaling_efficiency": 1.0},
+        {"config": "comm_bound", "world_size": 2, "samples_per_s": 21.4, "weak_scaling_efficiency": 0.41},
+    ], "world sizes 1 and 2 measured, weak-scaling efficiency at 2: 0.41"),
+    "lab7_restart": ("lab7.json", {"attempt": 1, "backend": "nccl", "eval_accuracy": 0.7827298050139275, "steps": 20,
+                                   "resumed_from_step": 10, "recomputed_steps": 5},
+                     "restarted once, resumed from step 10, 5 steps recomputed, held-out accuracy 78.3%"),
+    "lecture4_demos": ("report.json", {"environment": [{"backend": "gloo", "RANK": "0"}, {"backend": "gloo", "RANK": "1"}],
+                                       "subgroups": [{}, {}], "overlap_traces": [{"traced": True}, {"traced": True}]},
+                       "3 demos on gloo, 2 ranks, traces written"),
+    "lecture5_perf_job": ("perf.json", {"backend": "nccl", "world_size": 2, "profile": {}, "accumulation": {}, "zero": {},
+                                        "gradscaler": {}, "buckets": [{"bucket_cap_mb": "default", "comm_fraction": 0.216}],
+                                        "hooks": {"allreduce": {"bytes_per_step": 605224}, "fp16": {"bytes_per_step": 302612}}},
+                          "6 parts on nccl, fp16 hook sends half the bytes, comm fraction 0.22"),
+    "lecture6_faults": ("faults.json", {"per_rank": [
+        {"replicas_identical": {"load_after_wrap_on_rank0": False, "load_before_wrap_everywhere": True},
+         "unused_parameter": {"raised_at_iteration": 1}, "flight_recorder": {"kind": "timeout", "entries": 3}}] * 2},
+        "2 ranks: load after wrap diverges, unused parameter raises at iteration 1, flight recorder dumped"),
 }  # fmt: skip
+# Files a key figure looks for beside the JSON (lecture 4's demos write a profiler trace per rank).
+EXTRA_FILES = {"lecture4_demos": ["traces/builtin/trace_rank0.json", "traces/blocking/trace_rank0.json"]}
 
 
 def finished(returncode=0, stderr="", wall_s=12.5, timed_out=False):
@@ -52,6 +72,9 @@ def finished(returncode=0, stderr="", wall_s=12.5, timed_out=False):
 def test_a_lab_that_ran_passes_with_its_key_figure(tmp_path, name):
     file_name, content, figure = SAMPLES[name]
     (tmp_path / file_name).write_text(json.dumps(content))
+    for extra in EXTRA_FILES.get(name, []):
+        (tmp_path / extra).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / extra).write_text("{}")
     outcome = smoke.judge(LABS[name], finished(), tmp_path)
     assert outcome == smoke.Outcome(name, True, 12.5, figure)
     assert smoke.format_line(outcome) == f"PASS  {name:<18}   12.5 s  {figure}"
@@ -62,7 +85,9 @@ def test_every_lab_in_the_table_has_a_sample():
     assert cpu_labs == set(SAMPLES)
     assert {lab.script for lab in smoke.LAB_RUNS} >= {"labs/lab1_collectives.py", "labs/lab2_sampler.py", "labs/lab2_join.py",
                                                       "labs/lab3_ddp.py", "solutions/lab4_broken_ddp.py", "labs/lab5_scaling.py",
-                                                      "labs/lab6_ddp_from_scratch.py", "labs/lab7_fault_tolerance.py", "labs/lab7_hangs.py"}
+                                                      "labs/lab6_ddp_from_scratch.py", "labs/lab7_fault_tolerance.py", "labs/lab7_hangs.py",
+                                                      "lectures/scripts/ddp_internals_demos.py", "lectures/scripts/perf_ddp_job.py",
+                                                      "lectures/scripts/faults_demos.py"}
 
 
 def test_a_failed_check_fails_the_lab_even_with_exit_status_0(tmp_path):
@@ -86,7 +111,47 @@ def test_join_weights_that_differ_fail_the_hang_lab(tmp_path):
 
 
 def test_a_lab_needing_more_ranks_than_gpus_is_marked():
-    assert LABS["lab7_hangs_join"].min_ranks == 2 and all(lab.min_ranks == 1 for lab in smoke.LAB_RUNS if lab.name != "lab7_hangs_join")
+    two_ranks = {"lab7_hangs_join", "lab5_sweep"}  # the Join scenario; the sweep's 2-rank job
+    assert all(LABS[name].min_ranks == 2 for name in two_ranks)
+    assert all(lab.min_ranks == 1 for lab in smoke.LAB_RUNS if lab.name not in two_ranks)  # lab 6 too (review finding 2)
+
+
+def test_cpu_only_scripts_run_on_2_gloo_ranks_and_the_rest_on_every_gpu(tmp_path):
+    """Lectures 4 and 6's scripts use CPU tensors: 2 ranks and no --backend flag, whatever the GPU count."""
+    assert {lab.name for lab in smoke.LAB_RUNS if lab.gloo_by_design} == {"lecture4_demos", "lecture6_faults"}
+    for name in ("lecture4_demos", "lecture6_faults"):
+        assert LABS[name].ranks(1) == LABS[name].ranks(8) == 2
+        assert "--backend" not in LABS[name].command_args(tmp_path, "nccl")
+    assert LABS["lecture5_perf_job"].ranks(1) == 1 and LABS["lecture5_perf_job"].command_args(tmp_path, "nccl")[-2:] == ["--backend", "nccl"]
+    assert LABS["lab7_restart"].torchrun_args == ("--max-restarts=1",)
+    assert dict(LABS["lab7_restart"].env) == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def test_a_lecture4_report_from_an_nccl_group_fails(tmp_path):
+    """Review finding 1's crash in the report's words: the demos must run on gloo."""
+    (tmp_path / "report.json").write_text(json.dumps({"environment": [{"backend": "nccl"}], "overlap_traces": [{"traced": True}]}))
+    outcome = smoke.judge(LABS["lecture4_demos"], finished(), tmp_path)
+    assert not outcome.passed and outcome.detail == "ran, but the demos ran on ['nccl'], not gloo (they use CPU tensors)"
+
+
+def test_a_restart_that_did_not_resume_fails(tmp_path):
+    (tmp_path / "lab7.json").write_text(json.dumps({"attempt": 0, "resumed_from_step": 0, "recomputed_steps": 0, "eval_accuracy": 0.8}))
+    outcome = smoke.judge(LABS["lab7_restart"], finished(), tmp_path)
+    assert not outcome.passed and "expected attempt 1 resumed from step 10" in outcome.detail
+
+
+def test_a_lecture5_job_with_a_missing_part_fails(tmp_path):
+    (tmp_path / "perf.json").write_text(json.dumps({"backend": "nccl", "hooks": {}}))
+    outcome = smoke.judge(LABS["lecture5_perf_job"], finished(), tmp_path)
+    assert not outcome.passed and outcome.detail.startswith("ran, but perf.json lacks part(s) profile, buckets")
+
+
+def test_lecture6_replicas_that_stay_equal_after_a_late_load_fail(tmp_path):
+    facts = {"replicas_identical": {"load_after_wrap_on_rank0": True, "load_before_wrap_everywhere": True},
+             "unused_parameter": {"raised_at_iteration": 1}, "flight_recorder": {"entries": 3}}  # fmt: skip
+    (tmp_path / "faults.json").write_text(json.dumps({"per_rank": [facts, facts]}))
+    outcome = smoke.judge(LABS["lecture6_faults"], finished(), tmp_path)
+    assert not outcome.passed and outcome.detail.startswith("ran, but replicas after loading")
 
 
 def test_a_crashed_lab_fails_with_its_last_error_line(tmp_path):
