@@ -3,19 +3,24 @@
 nbval re-runs the lecture and compares its printed summaries. This module checks what nbval cannot
 (tests/test_exercises_in_step.py keeps its exercises in step with their solutions): faults_demos.py, launched once, shows every fact the
 lecture reads from it (and the flight-recorder dumps, including that torchfrtrace cannot read gloo's
-dumps in torch 2.14, which the lecture says); and the environment variables the lecture names for
+dumps in torch 2.14, which the lecture says); the start-up failures its --init-only mode shows on
+plain python processes (ranks told different WORLD_SIZEs, nothing on MASTER_PORT); the flight
+recorder's default in the installed torch; and the environment variables the lecture names for
 NCCL exist in the installed torch.
 """
 
 import json
 import pickle
 import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from ddp_course.launch import REPO_ROOT, run_torchrun
+from ddp_course.faults import run_plain_ranks
+from ddp_course.launch import REPO_ROOT, run_command, run_torchrun
 
 LECTURE = REPO_ROOT / "lectures" / "06_debugging_fault_tolerance.ipynb"
 FAULTS_DEMOS = REPO_ROOT / "lectures" / "scripts" / "faults_demos.py"
@@ -93,3 +98,71 @@ def test_the_nccl_variables_the_lecture_names_exist_in_this_torch():
     # torchrun gives its workers TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless set (the lecture says so)
     agent = Path(torch.__file__).parent / "distributed" / "elastic" / "agent" / "server" / "local_elastic_agent.py"
     assert re.search(r'"TORCH_NCCL_ASYNC_ERROR_HANDLING": os\.getenv\(\s*"TORCH_NCCL_ASYNC_ERROR_HANDLING", str\(1\)', agent.read_text())
+
+
+STARTUP_TIMEOUT_S = 5  # as in the lecture: rank 0's store counts arrivals from its own start
+INIT_ONLY = [sys.executable, str(FAULTS_DEMOS), "--init-only", "--timeout-s", str(STARTUP_TIMEOUT_S)]
+
+
+@pytest.fixture(scope="module")
+def startup_demos():
+    """The lecture's two start-up jobs, at once: {0: 3, 1: 2} disagree on WORLD_SIZE; {1: 2} finds no store."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        jobs = {spec: pool.submit(run_plain_ranks, INIT_ONLY, dict(spec), 120) for spec in (((0, 3), (1, 2)), ((1, 2),))}
+        return {spec: job.result() for spec, job in jobs.items()}
+
+
+def startup_lines(results):
+    for rank, result in results.items():
+        assert not result.timed_out and result.returncode == 1, result.describe()
+        yield rank, result.stdout.strip()
+
+
+@pytest.mark.timeout(180)
+def test_ranks_told_different_world_sizes_fail_in_init_after_the_timeout_not_hang(startup_demos):
+    lines = dict(startup_lines(startup_demos[((0, 3), (1, 2))]))
+    assert lines == {
+        0: "[rank 0] init_process_group raised DistStoreError after the 5 s timeout: rendezvous: "
+           "only 2 of the 3 processes this rank expects (WORLD_SIZE) reached the store",
+        1: "[rank 1] init_process_group raised DistStoreError after the 5 s timeout: rendezvous: "
+           "rank 0's address never appeared in the store within 5000 ms",
+    }
+
+
+@pytest.mark.timeout(180)
+def test_a_master_port_where_nothing_listens_fails_in_init_after_the_timeout(startup_demos):
+    lines = dict(startup_lines(startup_demos[((1, 2),)]))
+    assert lines == {1: "[rank 1] init_process_group raised DistNetworkError after the 5 s timeout: unreachable: "
+                        "no store answered at MASTER_ADDR:MASTER_PORT within 5000 ms"}
+
+
+@pytest.mark.timeout(120)
+def test_init_only_without_the_environment_says_so_in_one_line():
+    result = run_command(INIT_ONLY, timeout_s=60)  # the launcher drops RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.describe()
+    assert result.stderr.strip() == ("faults_demos.py: error: --init-only needs RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
+                                     "in the environment")
+
+
+def lecture_text():
+    return "\n".join("".join(cell["source"]) for cell in json.loads(LECTURE.read_text())["cells"] if cell["cell_type"] == "markdown")
+
+
+@pytest.mark.timeout(60)
+def test_the_flight_recorder_is_on_by_default_with_2000_entries_as_the_lecture_says():
+    text = lecture_text()
+    assert "on by default with 2,000 entries" in text and "switches it off" in text and "switches it\n  on" not in text
+    header = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d" / "FlightRecorder.hpp"
+    if not header.exists():
+        pytest.skip("this torch installs no C++ headers: nothing to read the default from")
+    source = header.read_text()
+    assert re.search(r'getCvarInt\(\s*\{"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"\},\s*2000\)', source)
+    assert "enabled_ = max_entries_ > 0;" in source
+
+
+@pytest.mark.timeout(60)
+def test_the_lecture_counts_detection_in_the_restart_cost_and_gets_the_levin_may_asymptote_right():
+    text = lecture_text()
+    assert text.count(r"$R = T_\text{detect} + T_\text{restart} + T_\text{load}$") == 2  # sections 4 and 5
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT=1`,\nso that each detection" in text
+    assert r"about $\frac{\pi}{2\tau}$ for large $\tau$" in text and "pi / (4 tau)" not in text
