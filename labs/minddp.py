@@ -64,7 +64,8 @@ Written for NCCL with care but run only on gloo/CPU so far.
 
 The exercise labs/minddp.py is generated from this file (python -m ddp_course.exercises): each region
 marked BEGIN SOLUTION ... END SOLUTION becomes a raise NotImplementedError carrying the TODO comment
-that opens it.
+that opens it. Each TODO says what must be true afterwards and leaves one design question per part open;
+after a first attempt, solutions/lab6_hints.md has step-by-step hints for every TODO.
 """
 
 from __future__ import annotations
@@ -108,9 +109,9 @@ class _DataParallel(nn.Module):
     def _broadcast_from_rank0(self) -> None:
         """Copy rank 0's parameters (frozen ones included) and buffers to every rank, so all replicas start equal."""
         raise NotImplementedError(
-            "TODO(lab 6, part 1): for every tensor in chain(self.module.parameters(), "
-            "self.module.buffers()), call dist.broadcast(tensor.detach(), src=0) - same tensors, same order "
-            "on every rank"
+            "TODO(lab 6, part 1): afterwards every parameter (frozen ones too) and every buffer holds rank "
+            "0's values on every rank. Design question: collectives carry no names, so what must every rank "
+            "agree on for its k-th broadcast to meet rank 0's k-th?"
         )
 
     def forward(self, *inputs, **kwargs):
@@ -149,8 +150,9 @@ class NaiveDDP(_DataParallel):
         if not self.require_gradient_sync:
             return
         raise NotImplementedError(
-            "TODO(lab 6, part 1): for each parameter in self.trainable_parameters (a missing .grad counts as "
-            "torch.zeros_like(param)), dist.all_reduce its .grad (a sum), then divide it by self.world_size"
+            "TODO(lab 6, part 1): afterwards each trainable parameter's .grad holds the average over ranks "
+            "of the ranks' gradients; a rank whose parameter got no gradient this step contributes zeros "
+            "(and still takes part: its peers are waiting for it)."
         )
 
 
@@ -183,17 +185,17 @@ class OverlapDDP(_DataParallel):
                 "every backward outside no_sync(), and accumulate micro-batches inside no_sync()"
             )
         raise NotImplementedError(
-            "TODO(lab 6, part 2): mark self._ready[index], then launch every ready gradient from "
-            "self._next_to_launch on, in order, stopping at the first one not ready (self._launch(i) for "
-            "each)"
+            "TODO(lab 6, part 2): record that launch_order[index] is ready, then launch (self._launch) every "
+            "gradient that may go now, and never wait here. Design question: a gradient can be ready on this "
+            "rank before the gradients launched ahead of it on another rank - which ones may go now?"
         )
 
     def _launch(self, index: int) -> None:
         """Start the averaging all-reduce of launch_order[index].grad (zeros when it has none)."""
         raise NotImplementedError(
-            "TODO(lab 6, part 2): take param = self.launch_order[index]; give it a zero .grad if it has "
-            "none; divide .grad by self.world_size; append dist.all_reduce(param.grad, async_op=True) to "
-            "self._pending_work - never wait here"
+            "TODO(lab 6, part 2): start, without waiting, the all-reduce after which "
+            "launch_order[index].grad holds the average over ranks (zeros if it has no gradient); keep its "
+            "work for finish_gradient_synchronization()."
         )
 
     def finish_gradient_synchronization(self) -> None:
@@ -204,9 +206,8 @@ class OverlapDDP(_DataParallel):
         if not self.require_gradient_sync:
             return
         raise NotImplementedError(
-            "TODO(lab 6, part 2): launch every gradient from self._next_to_launch to the end (missing ones "
-            "become zeros in _launch), wait() on each work in self._pending_work, then reset _ready, "
-            "_next_to_launch and _pending_work for the next step"
+            "TODO(lab 6, part 2): afterwards every gradient has been launched (also those backward never "
+            "produced), every all-reduce has completed, and the wrapper is ready for the next step."
         )
 
 
@@ -293,9 +294,9 @@ class BucketedDDP(_DataParallel):
                 "every backward outside no_sync(), and accumulate micro-batches inside no_sync()"
             )
         raise NotImplementedError(
-            "TODO(lab 6, part 3): mark the slot ready, move the gradient into the bucket "
-            "(self._gradient_into_bucket), count it off bucket.waiting_for, then "
-            "self._launch_ready_buckets()"
+            "TODO(lab 6, part 3): afterwards the gradient lives in its slot of the bucket "
+            "(self._gradient_into_bucket), the bucket knows one fewer gradient is missing, and every bucket "
+            "that may go now has been launched."
         )
 
     @staticmethod
@@ -312,16 +313,16 @@ class BucketedDDP(_DataParallel):
     def _launch_ready_buckets(self) -> None:
         """Launch buckets in index order, from the next unlaunched one up to the first that is not full."""
         raise NotImplementedError(
-            "TODO(lab 6, part 3): while bucket self._next_to_launch exists and has waiting_for == 0, "
-            "self._launch_bucket(it) and move on - never skip a bucket that is not ready (all ranks must "
-            "launch in the same order)"
+            "TODO(lab 6, part 3): launch (self._launch_bucket) every bucket that may go now. Design "
+            "question: bucket 2 can be full on rank 0 while bucket 1 is not, and on rank 1 the other way "
+            "round - which buckets may go, so that every rank's k-th all-reduce is the same bucket?"
         )
 
     def _launch_bucket(self, bucket: _Bucket) -> None:
         """Start the averaging all-reduce of one full bucket."""
         raise NotImplementedError(
-            "TODO(lab 6, part 3): divide bucket.buffer by self.world_size (one division per bucket), then "
-            "bucket.work = dist.all_reduce(bucket.buffer, async_op=True) - do not wait here"
+            "TODO(lab 6, part 3): start, without waiting, the all-reduce after which bucket.buffer holds the "
+            "average over ranks; keep its work in bucket.work."
         )
 
     def finish_gradient_synchronization(self) -> None:
@@ -332,9 +333,9 @@ class BucketedDDP(_DataParallel):
         if not self.require_gradient_sync:
             return
         raise NotImplementedError(
-            "TODO(lab 6, part 3): move every gradient not marked ready into its bucket (current .grad, or "
-            "zeros) and set waiting_for = 0, call self._launch_ready_buckets(), wait() on every bucket's "
-            "work, then reset work, waiting_for, _ready and _next_to_launch"
+            "TODO(lab 6, part 3): afterwards every bucket has been launched (a gradient backward never "
+            "produced counts as zeros), every all-reduce has completed, so every .grad is a view of its "
+            "averaged bucket, and the bookkeeping is reset for the next step."
         )
 
 
@@ -351,8 +352,10 @@ def partition_parameters(sizes: list[int], world_size: int, loads: list[int] | N
     loads = [0] * world_size if loads is None else loads
     owners = [0] * len(sizes)
     raise NotImplementedError(
-        "TODO(lab 6, part 4): visit indices sorted by size, largest first (ties: lower index first); give "
-        "each to the rank whose load is smallest (ties: lower rank) and add its size to that rank's load"
+        "TODO(lab 6, part 4): owners[i] is the rank that owns parameter i, the same on every rank, with the "
+        "ranks' loads as even as whole tensors allow; add what each rank gets to loads. Design question: in "
+        "which order should the tensors be handed out so that the fullest rank stays close to sum(sizes) / "
+        "world_size?"
     )
     return owners
 
@@ -404,18 +407,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         raise NotImplementedError(
-            "TODO(lab 6, part 4): copy hyperparameters (all keys but \"params\") from self.param_groups to "
-            "self.local_optimizer.param_groups, self.local_optimizer.step(), then "
-            "self._broadcast_from_owners()"
+            "TODO(lab 6, part 4): afterwards this rank's shard has been stepped with the hyperparameters now "
+            "in self.param_groups (a scheduler may have changed them), and every rank holds every updated "
+            "parameter."
         )
         return loss
 
     def _broadcast_from_owners(self) -> None:
         """Every rank receives each updated parameter from the rank that owns it (same order everywhere)."""
         raise NotImplementedError(
-            "TODO(lab 6, part 4): for each (param, owner) in self.owners, dist.broadcast(param.detach(), "
-            "src=dist.get_global_rank(group, owner) for a group, else owner, group=self.process_group, "
-            "async_op=True); then wait() on all of them"
+            "TODO(lab 6, part 4): afterwards every rank holds each parameter's values from its owner. owner "
+            "is a rank of self.process_group; a collective's src is a rank of the whole job."
         )
 
     def state_dict(self) -> dict:

@@ -1,9 +1,10 @@
 """labs/lab6_ddp_from_scratch.py: the check, the JSON records, the traces, training, the exercise's TODO line, bad flags.
 
-Two torchrun launches in all, shared through module-scoped fixtures: one job with the finished
+Two torchrun launches are shared through module-scoped fixtures: one job with the finished
 wrappers (solutions) that checks (ZeRO-1 included), times, profiles and trains everything at once with small sizes and
 buckets of 0.5 MiB (nine buckets for the transformer: the interesting case for BucketedDDP), and one
-with the untouched exercise. Flag checks and the script's small pieces run in-process.
+with the untouched exercise. Four more launch the lab on a learner's module with a plausible mistake
+(each must FAIL, never hang) or with one rank. Flag checks and the script's small pieces run in-process.
 Timing targets are the benchmark's business (benchmarks/lab6_ddp_from_scratch.py), not asserted here.
 """
 
@@ -57,7 +58,12 @@ def test_every_finished_wrapper_matches_one_process_and_torch_ddp(solutions_job)
     # The tolerance is a few e-5 (64 x 3 steps x float32 eps x max|w|, the largest weight about 1).
     assert 1e-5 < records[0]["tolerance"] < 1e-4
     lines = result.stdout.splitlines()
-    assert [line.split()[0] for line in lines if line.endswith("PASS")] == [*IMPLS, "zero-1"]
+    # Each from-scratch wrapper: the transformer, then the two small models (rank-dependent order, unused parameters).
+    assert [line.split()[0] for line in lines if line.endswith("PASS")] == [
+        *["naive"] * 3, *["overlap"] * 3, *["bucketed"] * 3, "torch", "zero-1"]
+    for record in records[:3]:
+        assert set(record["small_models_max_abs_diff"]) == {"rank-dependent order", "unused on a rank"}, record
+        assert record["small_models_passed"], record
     # The control, replicas that never communicate, is far outside the tolerance: the check can fail.
     control = next(line for line in lines if line.strip().startswith("no sync"))
     difference = float(re.search(r"one process\| (\S+)", control).group(1))
@@ -122,28 +128,92 @@ def test_the_zero_check_passes_and_shows_the_state_halved(solutions_job):
     result, _, _ = solutions_job
     line = re.search(r"^  zero-1 .*$", result.stdout, re.MULTILINE)
     assert line and line.group(0).endswith("PASS"), result.describe()
-    assert "(0.50; 1/world_size = 0.50)" in line.group(0), line.group(0)
+    # 2 ranks: half of AdamW's state, within the bound 1/2 + the largest tensor's share (65,536 of 813,952)
+    assert "state on the fullest rank 0.50 of AdamW's (at most 1/world_size + largest tensor / all = 0.50 + 0.08)" in line.group(0)
 
 
-def run_with_a_wrong_solution(tmp_path, correct_line, args):
-    """Run the lab on a learner's labs/minddp.py that is the solution without correct_line."""
+def run_with_a_wrong_solution(tmp_path, args, correct_line, wrong_line="", *more_changes):
+    """Run the lab on a learner's labs/minddp.py: the solution with correct_line replaced by wrong_line
+    (and each further (correct, wrong) pair of more_changes)."""
     (tmp_path / "labs").mkdir()
     (tmp_path / "labs" / LAB6.name).write_text(LAB6.read_text())
     solution = (REPO_ROOT / "solutions" / "minddp.py").read_text()
-    assert correct_line in solution
-    (tmp_path / "labs" / "minddp.py").write_text(solution.replace(correct_line, ""))
+    for correct, wrong in [(correct_line, wrong_line), *more_changes]:
+        assert correct in solution, correct
+        solution = solution.replace(correct, wrong)
+    (tmp_path / "labs" / "minddp.py").write_text(solution)
     return run_torchrun(tmp_path / "labs" / LAB6.name, args, nproc=2, timeout_s=120, cwd=tmp_path)
 
 
+# ShardedOptimizer that keeps every parameter's state on every rank: right weights, nothing saved.
+SHARDS = ('        mine = [p for p, owner in zip(group["params"], owners) if owner == self.rank]\n',
+          '        mine = list(group["params"])  # WRONG: every rank steps (and keeps state for) everything\n')
+
+
 @pytest.mark.timeout(180)
-def test_a_wrapper_that_forgets_to_divide_fails_the_check(tmp_path):
-    """A plausible wrong answer: BucketedDDP without the division by the world size (every rank steps
-    with the sum of the gradients)."""
+def test_a_wrapper_that_forgets_to_divide_and_an_optimizer_that_does_not_shard_fail(tmp_path):
+    """Two plausible wrong answers in one launch: BucketedDDP without the division by the world size
+    (every rank steps with the sum of the gradients), and a ShardedOptimizer whose every rank holds all
+    of AdamW's state (its weights are right: only the state check can catch it)."""
     division = "        bucket.buffer.div_(self.world_size)  # then the sum over ranks is the average\n"
-    result = run_with_a_wrong_solution(tmp_path, division, ["--impl", "bucketed", "--check-steps", "2", "--repeats", "0"])
+    args = ["--impl", "bucketed", "--zero", "--check-steps", "2", "--repeats", "0"]
+    result = run_with_a_wrong_solution(tmp_path, args, division, "", SHARDS)
     assert result.returncode == 1, result.describe()
-    assert re.search(r"^  bucketed .* FAIL$", result.stdout, re.MULTILINE), result.describe()
+    assert re.search(r"^  bucketed +max\|w - one process\| .* FAIL$", result.stdout, re.MULTILINE), result.describe()
+    zero = re.search(r"^  zero-1 .*$", result.stdout, re.MULTILINE).group(0)
+    assert "max|w - AdamW| 0.0e+00" in zero and "fullest rank 1.00 of AdamW's" in zero and zero.endswith("FAIL"), zero
     assert "lab6_ddp_from_scratch.py: error: the check FAILED" in result.stderr
+
+
+READY_ORDER = (
+    """        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].waiting_for == 0:
+            self._launch_bucket(self.buckets[self._next_to_launch])
+            self._next_to_launch += 1
+""",
+    """        for bucket in self.buckets:  # WRONG: in the order the buckets fill, which may differ between ranks
+            if bucket.waiting_for == 0 and bucket.work is None:
+                self._launch_bucket(bucket)
+""",
+)
+
+
+@pytest.mark.timeout(180)
+def test_a_bucketed_ddp_that_launches_in_ready_order_fails_the_check(tmp_path):
+    """The transformer readies its gradients in the same order on every rank, so it passes; the small
+    model whose order depends on the rank does not (rank 0's bucket of b is summed with rank 1's of a).
+    The next small model then mixes buckets of different sizes: gloo aborts the job, which exits non-zero."""
+    result = run_with_a_wrong_solution(tmp_path, ["--impl", "bucketed", "--check-steps", "1", "--repeats", "0"], *READY_ORDER)
+    assert result.returncode not in (0, None), result.describe()
+    assert re.search(r"^  bucketed +max\|w - one process\| .* PASS$", result.stdout, re.MULTILINE), result.describe()
+    assert re.search(r"^  bucketed +rank-dependent order +max\|w - one process\| .* FAIL$", result.stdout, re.MULTILINE)
+
+
+@pytest.mark.timeout(180)
+def test_a_wrapper_that_waits_for_a_missing_gradient_fails_instead_of_hanging(tmp_path):
+    """OverlapDDP that waits, in finish_gradient_synchronization(), for hooks that never fire (the
+    parameter unused on a rank): the case's deadline turns the hang into a FAIL line and ends the job."""
+    launch_the_rest = """        for index in range(self._next_to_launch, len(self.launch_order)):
+            self._launch(index)
+"""
+    wait_for_hooks = """        while self._next_to_launch < len(self.launch_order):  # WRONG: waits for gradients that never come
+            __import__("time").sleep(0.01)
+"""
+    args = ["--impl", "overlap", "--check-steps", "1", "--repeats", "0", "--case-timeout-s", "10"]
+    result = run_with_a_wrong_solution(tmp_path, args, launch_the_rest, wait_for_hooks)
+    assert result.returncode not in (0, None), result.describe()  # None: killed by the test's own timeout
+    assert re.search(r"^\[rank \d\]   overlap   unused on a rank   FAIL: still running after 10 s", result.stdout, re.MULTILINE)
+    assert "lab6_ddp_from_scratch.py: error: the check FAILED: overlap hung" in result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_one_rank_passes_and_skips_the_control(tmp_path):
+    """With one process the "no sync" control trains on the whole batch, as the reference does: it cannot
+    differ, so it is skipped with a note, and the finished module passes (torchrun --nproc_per_node=1)."""
+    args = ["--module", "solutions", "--zero", "--check-steps", "1", "--repeats", "0", "--json", tmp_path / "one.json"]
+    result = run_torchrun(LAB6, args, nproc=1, timeout_s=120)
+    assert result.ok, result.describe()
+    assert "  no sync   skipped: with one process it trains on the whole batch" in result.stdout
+    assert all(record["check_passed"] and record["world_size"] == 1 for record in json.loads((tmp_path / "one.json").read_text()))
 
 
 @pytest.mark.timeout(180)
@@ -151,7 +221,7 @@ def test_a_sharded_optimizer_that_never_broadcasts_fails_the_zero_check(tmp_path
     """Part 4's plausible wrong answer: each rank steps its own shard and never sends it, so every rank
     keeps stale copies of the parameters it does not own."""
     broadcast = "        self._broadcast_from_owners()\n"
-    result = run_with_a_wrong_solution(tmp_path, broadcast, ["--impl", "torch", "--zero", "--check-steps", "2", "--repeats", "0"])
+    result = run_with_a_wrong_solution(tmp_path, ["--impl", "torch", "--zero", "--check-steps", "2", "--repeats", "0"], broadcast)
     assert result.returncode == 1, result.describe()
     assert re.search(r"^  zero-1 .* FAIL$", result.stdout, re.MULTILINE), result.describe()
     assert "lab6_ddp_from_scratch.py: error: the check FAILED" in result.stderr
@@ -183,6 +253,7 @@ def test_impl_choices_and_bucket_caps(lab6):
     assert lab6.parse_args(["--impl", "naive", "--impl", "all"]).impls == IMPLS
     assert lab6.parse_args(["--bucket-cap-mb", "none"]).bucket_cap_mb is None
     assert lab6.parse_args(["--bucket-cap-mb", "2.5"]).bucket_cap_mb == 2.5
+    assert lab6.parse_args(["--bucket-cap-mb", "Default"]).bucket_cap_mb == "default"  # each wrapper's own default
     assert lab6.parse_args([]).module == "labs"  # the exercise by default
 
 

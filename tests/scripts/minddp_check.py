@@ -39,6 +39,11 @@ from ddp_course.launch import REPO_ROOT, import_script
 SOLUTION = REPO_ROOT / "solutions" / "minddp.py"
 EXERCISE = REPO_ROOT / "labs" / "minddp.py"
 minddp = import_script(SOLUTION, "minddp")
+# The lab's own check runs these two small models on the learner's module too: one copy, in the lab script.
+# GatedNet: `extra` used by rank 0 only, `never` by no rank. TwoBranchNet: a rank-dependent gradient order.
+lab6 = import_script(REPO_ROOT / "labs" / "lab6_ddp_from_scratch.py", "lab6_ddp_from_scratch")
+GatedNet, TwoBranchNet = lab6.GatedNet, lab6.TwoBranchNet
+RANK_DEPENDENT_GRAPHS = (GatedNet,)  # the function itself depends on the rank (TwoBranchNet's does not)
 
 STEPS = 5
 BATCH = 16  # rows of the global batch; each of 2 ranks gets 8
@@ -71,45 +76,6 @@ class TiedNet(nn.Module):
         return torch.tanh(self.mix(h)) @ self.embed.weight
 
 
-class GatedNet(nn.Module):
-    """`extra` is used by rank 0 only, `never` by no rank: a rank-dependent graph with unused parameters."""
-
-    rank_dependent = True
-
-    def __init__(self):
-        super().__init__()
-        self.trunk = nn.Linear(6, 16)
-        self.extra = nn.Linear(16, 16)
-        self.never = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 6)
-
-    def forward(self, x, rank=0):
-        h = torch.tanh(self.trunk(x))
-        if rank == 0:
-            h = h + torch.tanh(self.extra(h))
-        return self.head(h)
-
-
-class TwoBranchNet(nn.Module):
-    """Two equal-size branches computed in a rank-dependent order, so backward readies them in a rank-dependent
-    order: rank 0 gets b's gradient first, rank 1 a's. The function computed is the same on every rank."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(6, 6, bias=False)
-        self.b = nn.Linear(6, 6, bias=False)
-        self.head = nn.Linear(6, 6)
-
-    def forward(self, x, rank=0):
-        if rank % 2 == 0:
-            ya = self.a(x)
-            yb = self.b(x)
-        else:
-            yb = self.b(x)
-            ya = self.a(x)
-        return self.head(torch.tanh(ya) * torch.tanh(yb))
-
-
 class ZeroNet(nn.Sequential):
     """Eight equal layers: shards of 1/1, 1/2 and 1/4 of the parameters balance exactly."""
 
@@ -121,8 +87,7 @@ class ZeroNet(nn.Sequential):
 
 
 def batch(step, rows=BATCH):
-    generator = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(rows, 6, generator=generator), torch.randn(rows, 6, generator=generator)
+    return lab6.small_batch(step, rows)
 
 
 def build(model_cls, seed=0):
@@ -141,7 +106,7 @@ def reference_weights(model_cls, world_size, steps=STEPS, rows=BATCH) -> dict:
     for step in range(steps):
         x, y = batch(step, rows)
         optimizer.zero_grad()
-        if getattr(model_cls, "rank_dependent", False):
+        if model_cls in RANK_DEPENDENT_GRAPHS:
             shards = zip(x.chunk(world_size), y.chunk(world_size))
             loss = sum(F.mse_loss(model(xs, rank), ys) for rank, (xs, ys) in enumerate(shards)) / world_size
         else:
