@@ -21,6 +21,9 @@ Usage, inside a job whose default process group exists (ddp_course.setup_distrib
         optimizer.step()
     weights = model.gather_full_params()                 # {name: full float32 tensor}, e.g. to save
 
+model.state_dict() holds this rank's slices (keys start with "module."); gather_full_params() (a
+collective: every rank calls it) rebuilds the full weights, for a checkpoint that loads into the bare model.
+
 What is sharded: every parameter with two or more dimensions (weight matrices, embeddings) is split
 along dimension 0 into world_size equal slices, zero rows padded at the end so the split is even. The
 wrapped model's parameter is replaced by this rank's slice (an nn.Parameter of shape

@@ -122,7 +122,8 @@ def definitions(path):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.ClassDef, ast.FunctionDef)):
                 name = prefix + child.name
-                signature = ast.dump(child.args) if isinstance(child, ast.FunctionDef) else ast.dump(ast.List(child.bases))
+                is_function = isinstance(child, ast.FunctionDef)
+                signature = ast.dump(child.args) if is_function else ast.dump(ast.List(child.bases))
                 found[name] = (signature, ast.get_docstring(child))
                 visit(child, name + ".")
 
