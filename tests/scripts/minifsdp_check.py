@@ -253,24 +253,31 @@ def tied_weight_gathered_once(ctx):
 
 
 def full_weights_only_around_use(ctx):
-    """Inside a module's forward its weight is full-size; after forward and after the step nothing is gathered."""
+    """Inside a module's forward its weight is full-size, and it is the only full weight in memory; after
+    forward, and after backward (before finish_gradient_synchronization()), no full weight is left."""
     model = minifsdp.FSDP(build(char_transformer))
-    seen = {}
-    mlp_in = model.module.blocks[0].mlp[0]
-    # A pre-hook registered after FSDP's runs after FSDP's gather: it sees what the module's forward sees.
-    mlp_in.register_forward_pre_hook(lambda module, inputs: seen.update(shape=tuple(module.weight.shape)))
     gathered = lambda: sum(handle.gathered for handle in model.sharded.values())  # noqa: E731
+    shapes, held = {}, []
+    # Pre-hooks registered after FSDP's run after its gather: they see what the module's forward sees.
+    for name, module in model.module.named_modules():
+        module.register_forward_pre_hook(lambda module, inputs, name=name: held.append(gathered()))
+    mlp_in = model.module.blocks[0].mlp[0]
+    mlp_in.register_forward_pre_hook(lambda module, inputs: shapes.update(forward=tuple(module.weight.shape)))
     inputs, targets = batch(0)
     logits = model(mine(ctx, inputs))
     after_forward = gathered()
     loss_of(logits, mine(ctx, targets)).backward()
+    after_backward = gathered()  # freed by the reduce-scatter hooks, not by finish_gradient_synchronization()
     model.finish_gradient_synchronization()
-    after_step = gathered()
-    slice_shape = tuple(mlp_in.weight.shape)
-    ok = seen["shape"] == (64, 16) and slice_shape == (64 // ctx.world_size, 16) and after_forward == after_step == 0
+    shapes["outside"] = tuple(mlp_in.weight.shape)
+    ok = (
+        shapes == {"forward": (64, 16), "outside": (64 // ctx.world_size, 16)}
+        and max(held) == 1
+        and after_forward == after_backward == 0
+    )
     return ok, (
-        f"mlp weight in forward {seen['shape']}, outside {slice_shape}; full weights held after forward "
-        f"{after_forward}, after backward {after_step}"
+        f"mlp weight in forward {shapes['forward']}, outside {shapes['outside']}; full weights held: at most "
+        f"{max(held)} during forward, {after_forward} after forward, {after_backward} after backward"
     )
 
 
@@ -278,6 +285,7 @@ def float16_matches_float16_reference(ctx):
     """compute_dtype=float16 against one process computing in float16 with float32 master weights."""
     reference16 = reference_weights(HalfNet, SGD, compute_dtype=torch.float16, micro_batches=ctx.world_size)
     reference32 = reference_weights(HalfNet, SGD)
+    global_batch16 = reference_weights(HalfNet, SGD, compute_dtype=torch.float16)  # shown, not asserted
     seen = {}
     model = minifsdp.FSDP(build(HalfNet), compute_dtype=torch.float16)
     model.module.up.register_forward_pre_hook(lambda module, inputs: seen.update(dtype=module.weight.dtype))
@@ -296,7 +304,8 @@ def float16_matches_float16_reference(ctx):
     ok = difference <= HALF_TOLERANCE and in_effect and seen["dtype"] == torch.float16 and master == {torch.float32}
     return ok, (
         f"max_rel_diff {difference:.2e} <= {HALF_TOLERANCE:.0e}; to the float32 reference {versus32:.2e} "
-        f"> {HALF_TOLERANCE:.0e}; "
+        f"> {HALF_TOLERANCE:.0e}; to float16 on the whole batch at once "
+        f"{max_relative_difference(full, global_batch16):.2e}; "
         f"weights in forward {seen['dtype']}, slices and grads {sorted(str(d) for d in master)}"
     )
 
