@@ -205,7 +205,7 @@ def stale_node_runs(crash_runs, trials):
     driver.write_text(STALE_NODE)
     results = {}
     for stale in ("listing", "file"):
-        checkpoints = directory / f"stale_{stale}"
+        checkpoints = directory / f"stale_{stale}_checkpoints"  # the directory trials.lab7_flags names
         checkpoints.mkdir()
         for name in ("checkpoint_step00000020.pt", "checkpoint_step00000025.pt", "progress.json"):
             shutil.copy(directory / "straight_checkpoints" / name, checkpoints / name)
