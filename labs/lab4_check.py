@@ -77,15 +77,20 @@ class Observation:
     run: RunResult
     out_dir: Path
     events: dict[int, list[dict]] = field(default_factory=dict)  # rank -> its events, in order
+    timeout_s: float | None = None  # the job's time limit; None: JOB_TIMEOUT_S
 
     @property
     def finished(self) -> bool:
         return self.run.ok
 
+    @property
+    def limit_s(self) -> float:
+        return JOB_TIMEOUT_S if self.timeout_s is None else self.timeout_s
+
     def ended(self) -> str:
         """How the job ended, in words that fit after 'the job'."""
         if self.run.timed_out:
-            return f"hung and was killed after {JOB_TIMEOUT_S} s"
+            return f"hung and was killed after {self.limit_s:g} s"
         if self.run.ok:
             return "finished"
         return f"died (exit status {self.run.returncode}: {failure_reason(self.run.stderr)})"
@@ -123,11 +128,15 @@ def failure_reason(stderr: str) -> str:
     return "no error message"
 
 
-def observe(script: Path, out_dir: Path, rescue: bool = True) -> Observation:
-    args = [out_dir, script, *SCRIPT_ARGS, "--save", out_dir / "model.pt", "--metrics-json", out_dir / "metrics.json"]
-    env = {"CUDA_VISIBLE_DEVICES": "", "LAB4_OBSERVE_RESCUE": "1" if rescue else "0"}
-    run = run_torchrun(OBSERVER, args, nproc=WORLD_SIZE, timeout_s=JOB_TIMEOUT_S, env=env)
-    observation = Observation(run, out_dir)
+def observe(script: Path, out_dir: Path, rescue: bool = True, script_args=None, env=None, timeout_s=None) -> Observation:
+    """Run script on WORLD_SIZE observed ranks. By default with lab 4's flags; another checker passes
+    its own script_args (the whole list), extra environment variables and time limit."""
+    if script_args is None:
+        script_args = [*SCRIPT_ARGS, "--save", out_dir / "model.pt", "--metrics-json", out_dir / "metrics.json"]
+    env = {"CUDA_VISIBLE_DEVICES": "", "LAB4_OBSERVE_RESCUE": "1" if rescue else "0", **(env or {})}
+    limit_s = JOB_TIMEOUT_S if timeout_s is None else timeout_s
+    run = run_torchrun(OBSERVER, [out_dir, script, *script_args], nproc=WORLD_SIZE, timeout_s=limit_s, env=env)
+    observation = Observation(run, out_dir, timeout_s=limit_s)
     for rank in range(WORLD_SIZE):
         path = out_dir / f"events-r{rank}.jsonl"
         lines = path.read_text().splitlines() if path.exists() else []
@@ -185,12 +194,18 @@ def check_epoch_shuffle(obs: Observation) -> Verdict:
 
 
 # --- checks 2 and 7: gradients against a recomputed reference ----------------------------------------------
-def reference_gradient(records: dict[int, dict], images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Gradient of the loss DDP should optimize: the mean over ranks of each rank's mean batch loss."""
+def reference_gradient(records: dict[int, dict], images: torch.Tensor, labels: torch.Tensor, own_params: bool = False) -> torch.Tensor:
+    """Gradient of the loss DDP should optimize: the mean over ranks of each rank's mean batch loss.
+
+    At rank 0's weights; with own_params, each rank's batch at that rank's weights (what averaging
+    the ranks' gradients gives even when the replicas differ).
+    """
     model = DigitsCNN()
     vector_to_parameters(records[0]["params"], model.parameters())
     per_rank = []
     for rank in sorted(records):
+        if own_params:
+            vector_to_parameters(records[rank]["params"], model.parameters())
         batch = torch.tensor(records[rank]["batch"])
         model.zero_grad(set_to_none=True)
         F.cross_entropy(model(images[batch]), labels[batch]).backward()
@@ -202,12 +217,12 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / a.norm().clamp_min(1e-30))
 
 
-def gradient_steps(obs: Observation, train) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
-    """[(observed, reference) per recorded step], or a reason why none could be compared."""
+def gradient_steps(obs: Observation, train, count: int = 3, own_params: bool = False) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
+    """[(observed, reference) per recorded step, at most count], or a reason why none could be compared."""
     images, labels = train.tensors
     expected_shapes = [list(p.shape) for p in DigitsCNN().parameters()]
     steps = []
-    for step in range(1, 4):
+    for step in range(1, count + 1):
         records = {rank: obs.step_record(rank, step) for rank in range(WORLD_SIZE)}
         if any(record is None for record in records.values()):
             break
@@ -215,7 +230,7 @@ def gradient_steps(obs: Observation, train) -> tuple[list[tuple[torch.Tensor, to
             return [], "the optimizer's parameters are not those of a DigitsCNN"
         if records[0]["missing_grads"] or not records[0]["batch"]:
             return [], f"in step {step} some parameters had no gradient, or no training batch was read"
-        steps.append((records[0]["grads"], reference_gradient(records, images, labels)))
+        steps.append((records[0]["grads"], reference_gradient(records, images, labels, own_params)))
     return steps, None
 
 
@@ -305,12 +320,17 @@ def check_reported_accuracy(obs: Observation, weights: dict | None, held_out) ->
     reported = json.loads(metrics_path.read_text()).get("eval_accuracy")
     if not isinstance(reported, (int, float)):
         return Verdict(6, "FAIL", "--metrics-json has no numeric eval_accuracy")
+    return accuracy_verdict(6, reported, obs, weights, held_out)
+
+
+def accuracy_verdict(number: int, reported: float, obs: Observation, weights: dict | None, held_out, name: str = "eval_accuracy") -> Verdict:
+    """Is reported the saved weights' accuracy on the whole held-out set? If not, is it one rank's slice's?"""
     if weights is None:
-        return Verdict(6, "BLOCKED", "no usable weights at --save to recompute the accuracy from")
+        return Verdict(number, "BLOCKED", "no usable weights at --save to recompute the accuracy from")
     images, labels = held_out.tensors
     correct, total = count_correct(weights, images, labels), len(labels)
     if abs(reported - correct / total) < 0.5 / total:
-        return Verdict(6, "PASS", f"the reported eval_accuracy {reported:.4f} is the saved model's on all {total} held-out images ({correct}/{total})")
+        return Verdict(number, "PASS", f"the reported {name} {reported:.4f} is the saved model's on all {total} held-out images ({correct}/{total})")
     whole = f"on all {total} held-out images it scores {correct / total:.4f} ({correct}/{total})"
     for rank in range(WORLD_SIZE):
         seen = sorted(set(obs.batches(rank, "held_out", obs.passes(rank, "held_out") - 1)))
@@ -319,11 +339,11 @@ def check_reported_accuracy(obs: Observation, weights: dict | None, held_out) ->
             shard_correct = count_correct(weights, images[shard], labels[shard])
             if abs(reported - shard_correct / len(seen)) < 0.5 / len(seen):
                 return Verdict(
-                    6, "FAIL",
-                    f"the reported eval_accuracy {reported:.4f} is the saved model's score on the {len(seen)} held-out "
+                    number, "FAIL",
+                    f"the reported {name} {reported:.4f} is the saved model's score on the {len(seen)} held-out "
                     f"images rank {rank} evaluated ({shard_correct}/{len(seen)}); {whole}",
                 )  # fmt: skip
-    return Verdict(6, "FAIL", f"the reported eval_accuracy is {reported:.4f}, but {whole}")
+    return Verdict(number, "FAIL", f"the reported {name} is {reported:.4f}, but {whole}")
 
 
 # --- check 5: collectives ----------------------------------------------------------------------------------
@@ -368,7 +388,7 @@ def check_collectives(obs: Observation) -> Verdict:
     if obs.run.timed_out:
         stuck = [(rank, state["inside"]) for rank, state in obs.final_states().items() if state and state["inside"]]
         inside = "; ".join(f"rank {rank} was waiting in {where(call)}" for rank, call in stuck) or "no rank was inside a collective called from Python"
-        return Verdict(5, "FAIL", f"the job hung and was killed after {JOB_TIMEOUT_S} s: {inside}")
+        return Verdict(5, "FAIL", f"the job hung and was killed after {obs.limit_s:g} s: {inside}")
     if not obs.finished:
         return Verdict(5, "BLOCKED", f"the job {obs.ended()} before every collective could be observed")
     calls = sum(1 for e in obs.events.get(0, []) if e["kind"] == "collective")

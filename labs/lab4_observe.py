@@ -9,8 +9,12 @@ labs/lab4_check.py launches this for you. Every rank installs a few patches, the
   sample indices, and which pass over the data), every optimizer step, every collective called from
   Python and what became of it. One JSON object per line, flushed at once: a job that is killed
   still leaves its evidence.
-- step-r<rank>-<k>.pt: for the first GRADIENT_STEPS optimizer steps, the parameters and gradients
-  the optimizer saw (flattened) and this rank's batch, so the checker can recompute the gradient.
+- step-r<rank>-<k>.pt: for the first GRADIENT_STEPS optimizer steps (LAB4_OBSERVE_STEPS=N records N;
+  lab 3's checker records them all), the parameters and gradients the optimizer saw (flattened),
+  the optimizer's class and settings, and this rank's batch, so the checker can recompute the
+  gradient and replay the steps in one process.
+- a "save" event for every torch.save() the script makes (the file it wrote), so a checker can
+  tell which ranks wrote a checkpoint.
 
 Collectives are matched across ranks before they run (unless LAB4_OBSERVE_RESCUE=0). Each rank announces a call (where in the
 script it was made, and how often it was made there before) and waits until every rank announced the
@@ -44,7 +48,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import ddp_course.data
 
-GRADIENT_STEPS = 3  # optimizer steps whose parameters and gradients are saved for the checker
+GRADIENT_STEPS = 3  # optimizer steps whose parameters and gradients are saved for the checker (LAB4_OBSERVE_STEPS)
 STALL_S = 5.0  # a peer silent this long (and not in this call) is taken to have skipped it
 POLL_S = 0.005
 COLLECTIVES = (
@@ -53,6 +57,7 @@ COLLECTIVES = (
     "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list",
 )  # fmt: skip
 _TORCH_DIR = str(Path(torch.__file__).parent)
+_torch_save = torch.save  # the observer's own files; install() makes torch.save record the script's saves
 
 
 class Recorder:
@@ -70,6 +75,7 @@ class Recorder:
         self.waiting = None  # the call being matched with the peers
         self.inside = None  # the collective running now
         self.rescue = os.environ.get("LAB4_OBSERVE_RESCUE", "1") != "0"
+        self.recorded_steps = int(os.environ.get("LAB4_OBSERVE_STEPS", GRADIENT_STEPS))
         self.lock = threading.Lock()
         self.write_state()
 
@@ -109,7 +115,7 @@ class Recorder:
         self.activity += 1
         self.write_state()
         self.emit(kind="step", step=self.steps, epoch=self.passes["train"], progress=self.progress)
-        if self.steps <= GRADIENT_STEPS:
+        if self.steps <= self.recorded_steps:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             with torch.no_grad():
                 record = {
@@ -119,8 +125,13 @@ class Recorder:
                     "grads": torch.cat([_flat_grad(p) for p in params]),
                     "missing_grads": [i for i, p in enumerate(params) if p.grad is None],
                     "batch": self.last_train_batch,
+                    "optimizer": _optimizer_settings(optimizer),
                 }  # fmt: skip
-            torch.save(record, self.out_dir / f"step-r{self.rank}-{self.steps}.pt")
+            _torch_save(record, self.out_dir / f"step-r{self.rank}-{self.steps}.pt")
+
+    def saved(self, target) -> None:
+        path = os.fspath(target) if isinstance(target, (str, os.PathLike)) else getattr(target, "name", None)
+        self.emit(kind="save", path=str(Path(path).resolve()) if isinstance(path, str) else None, progress=self.progress)
 
     # --- collectives ---------------------------------------------------------------------------
     def announce(self, op: str, what: str, site: str) -> dict:
@@ -207,6 +218,21 @@ def _flat_grad(param: torch.Tensor) -> torch.Tensor:
     if param.grad is None:
         return torch.zeros(param.numel())
     return param.grad.detach().reshape(-1).float().cpu()
+
+
+def _optimizer_settings(optimizer) -> dict:
+    """The optimizer's class and each group's settings (lr, momentum...) as plain values: enough to rebuild it."""
+    plain = (bool, int, float, str, type(None))
+    groups = []
+    for group in optimizer.param_groups:
+        settings = {}
+        for key, value in group.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()  # a tensor learning rate
+            if isinstance(value, plain) or (isinstance(value, tuple) and all(isinstance(v, plain) for v in value)):
+                settings[key] = value
+        groups.append({"settings": settings, "size": len(group["params"])})
+    return {"class": type(optimizer).__name__, "groups": groups}
 
 
 def _write_json_atomically(path: Path, obj) -> None:
@@ -323,6 +349,13 @@ def install(recorder: Recorder) -> None:
 
     for op in COLLECTIVES:
         setattr(dist, op, observed(op, getattr(dist, op)))
+
+    @functools.wraps(_torch_save)
+    def save(obj, f, *args, **kwargs):
+        recorder.saved(f)
+        return _torch_save(obj, f, *args, **kwargs)
+
+    torch.save = save
 
 
 def main(argv: list[str]) -> int:
