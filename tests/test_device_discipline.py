@@ -57,8 +57,8 @@ def test_every_collective_of_the_lab_gets_tensors_on_one_device(tmp_path, lab):
 def test_lab6_passes_on_one_rank_as_on_a_1_gpu_machine(tmp_path):
     """Review finding 2: gpu_smoke runs lab 6 with one rank per GPU, so a 1-GPU machine runs it on 1 rank.
 
-    EXPECTED TO FAIL until the lab 6 fix of finding 2 lands (labs/lab6_ddp_from_scratch.py: the
-    no-sync control cannot differ from the reference with one rank, so the check fails)."""
+    Before lab 6 skipped its no-sync control on one rank (commit 4eb5255), the control could not
+    differ from the reference there and the check failed."""
     lab = LABS["lab6"]
     result = run_recorded(lab, tmp_path, nproc=1)
     assert smoke.judge(lab, result, tmp_path).passed, smoke.judge(lab, result, tmp_path)
