@@ -74,6 +74,7 @@ def sbatch_run(tmp_path_factory):
         "PATH": os.pathsep.join([str(FAKE_SLURM), str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         # what SLURM sets for the batch script of `sbatch --nodes=2` (two "nodes" that are this machine)
         "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.1",
+        "SLURM_CPUS_PER_TASK": "32",  # from the script's #SBATCH --cpus-per-task=32
         # the script's two settings for a CPU-only machine: one process per node, a short lab 3 run
         "NPROC_PER_NODE": "1", "LAB3_ARGS": " ".join([*LAB3_FLAGS, "--save", str(path)]),
     }  # fmt: skip
@@ -101,6 +102,16 @@ def test_the_sbatch_script_starts_one_torchrun_per_node():
     assert "--ntasks-per-node=1" in srun and "torchrun --nnodes=" in srun
     assert '--rdzv-endpoint="${head_node}:${rdzv_port}"' in srun and "29400" not in text and "29500" not in text
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
+
+
+def test_the_sbatch_script_asks_srun_for_the_cpus_again_and_says_what_survives_a_lost_node():
+    """Findings 9 and 16 of the 2026-11-24 review: Slurm 22.05-23.02's srun does not inherit
+    --cpus-per-task from sbatch; --max-restarts covers a crashed process, not a lost node."""
+    text = SBATCH.read_text()
+    srun = text[text.index("\nsrun ") :]
+    assert '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in srun.splitlines()[1]
+    comments = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("# "))
+    assert "#SBATCH --requeue" in comments and "--no-kill" in comments and "--nnodes=MIN:MAX" in comments
 
 
 @pytest.mark.timeout(60)
