@@ -4,19 +4,20 @@
 
 Run it first on any GPU machine, before teaching from it. The labs and lecture 5's job run under
 `torchrun --standalone --nproc_per_node=<GPU count> ... --backend nccl` with a timeout, at small
-sizes; lab 5's sweep driver runs with plain python, as the learner runs it. Three lecture scripts
-are CPU-only by design and start gloo even where GPUs are visible (lecture 4's demos, lecture 6's
-faults demos; lab 7's hang scenarios do too): they run here on 2 gloo ranks, with the GPUs
-visible, as a learner's command would - which is exactly the case that once crashed lecture 4's
-script (review finding 1). The script prints one line per row - PASS or FAIL, wall time, the key
-figure (lab 1: bus bandwidth at the largest message; lab 2: checks passed; lab 3: held-out
-accuracy; lab 4: the solution's accuracy; lab 5: samples/s and the communication fraction, and the
-sweep's scaling efficiency; lab 6: every from-scratch wrapper's check and BucketedDDP's step time
-against torch DDP's; lab 7: accuracy after a checkpointed run and after a crash that torchrun
-restarted, and the Join scenario of the hang lab; lectures 4-6: what each script's report must
-show) - then `N passed, M failed`. Rows that need 2 ranks (min_ranks=2: the Join scenario, the
-1,2 sweep) are skipped on a 1-GPU machine with a SKIP line.
-The exit status is 0 only when every row that ran passed. On a machine without a CUDA GPU it says
+sizes; lab 5's sweep driver runs with plain python, as the learner runs it. Two lecture scripts
+are CPU-only by design and start gloo even where GPUs are visible (lecture 4's demos and lecture
+6's faults demos): they run here on 2 gloo ranks, without --backend, with the GPUs visible, as a
+learner's command would - exactly the case that once crashed lecture 4's script (review finding
+1). Lecture 5's job runs on NCCL, one rank per GPU, like the labs.
+
+The script prints one line per row - PASS or FAIL, wall time, the key figure (lab 1: bus bandwidth
+at the largest message; lab 2: checks passed; lab 3: held-out accuracy; lab 4: the solution's
+accuracy; lab 5: samples/s and the communication fraction, and the sweep's scaling efficiency;
+lab 6: every from-scratch wrapper's check and BucketedDDP's step time against torch DDP's; lab 7:
+accuracy after a checkpointed run and after a crash that torchrun restarted, and the Join scenario
+of the hang lab; lectures 4-6: what each script's report must show) - then `N passed, M failed`.
+Rows that need 2 ranks (min_ranks=2: the Join scenario, the 1,2 sweep) are skipped on a 1-GPU
+machine with a SKIP line. The exit status is 0 only when every row that ran passed. On a machine without a CUDA GPU it says
 so in one line and exits 0 (pytest covers the CPU path).
 
 Not here: lab 4's checker and the benchmarks/ scripts launch their jobs with the GPUs hidden (gloo
