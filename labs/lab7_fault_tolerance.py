@@ -29,10 +29,11 @@ the DataLoader draws from a generator of its own (ddp_course.seeding.dataloader_
 How: every --checkpoint-every steps rank 0 writes model, optimizer, step, the position in the epoch
 and every rank's RNG state atomically, then all ranks meet at a barrier (ddp_course.training).
 Every start - the first, each restart, a start with fewer or more ranks - resumes from the newest
-checkpoint in --checkpoint-dir; rank 0 alone chooses it and tells the others, who may see an older
-listing on a shared filesystem (ddp_course.training.rank0_decides). The position is a count of the epoch's shuffled samples already
-trained on, not of batches, so it means the same on any number of ranks; ResumableDistributedSampler
-(ddp_course.resume) deals the rest of the epoch over the ranks there are now.
+checkpoint in --checkpoint-dir; rank 0 alone chooses it and tells the others, who may see an
+older listing on a shared filesystem (ddp_course.training.rank0_decides). The position is a count
+of the epoch's shuffled samples already trained on, not of batches, so it means the same on any
+number of ranks; ResumableDistributedSampler (ddp_course.resume) deals the rest of the epoch over
+the ranks there are now.
 
 Restarts and torchrun's store: torchrun (2.4 and later) lets the workers share its rendezvous
 TCPStore (TORCHELASTIC_USE_AGENT_STORE=True), and it keeps ONE such store for all attempts (its
@@ -40,7 +41,7 @@ comment says "we create a new TCPStore for every retry", but the server is made 
 reused). The workers' keys carry no attempt number (the default group's prefix is "default_pg"),
 so a restarted worker finds the keys of the dead attempt, reads a dead rank's address, and fails
 with "connectFullMesh ... Connection refused" or waits. Measured on gloo (8 of 8 restarts failed
-so here); the cause is backend-independent: NCCL's unique id is exchanged through the same keys.
+so here); the cause is backend-independent: NCCL's unique id is exchanged through the same store.
 With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment every attempt gets a fresh
 store (restarts never failed here, see benchmarks/lab7_crash_trials.py). The variable is read by
 the torchrun agent, not by this script, so it goes on the command line (and in
@@ -137,7 +138,8 @@ def resume(args, model_name, model, optimizer, scaler, ctx) -> dict:
     """Load the newest checkpoint, if any; return where to continue and how many steps are done again."""
     # Rank 0 lists the directory and reads the progress (before anyone writes) for every rank: on a
     # shared filesystem another node may still see an older listing (ddp_course.training.rank0_decides).
-    path, progress = rank0_decides(lambda: (latest_checkpoint(args.checkpoint_dir), read_progress(args.checkpoint_dir)), ctx)
+    directory = args.checkpoint_dir
+    path, progress = rank0_decides(lambda: (latest_checkpoint(directory), read_progress(directory)), ctx)
     start = {"epoch": 0, "samples_consumed": 0, "global_step": 0}
     if path is not None:
         state = restore_training_state(path, model_name, model, optimizer, scaler, ctx, POSITION_KEYS)
@@ -173,8 +175,8 @@ def train(ctx, args) -> dict:
     log(
         f"config: dataset={args.dataset} ({len(splits.train)} train) model={model_name} world_size={ctx.world_size} "
         f"backend={ctx.backend} batch={args.batch_size}/rank global_batch={args.batch_size * ctx.world_size} "
-        f"lr={args.lr} dropout={args.dropout} epochs={args.epochs} max_steps={args.max_steps} checkpoint_every={args.checkpoint_every} "
-        f"attempt={attempt()} max_restarts={os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')}"
+        f"lr={args.lr} dropout={args.dropout} epochs={args.epochs} max_steps={args.max_steps} "
+        f"checkpoint_every={args.checkpoint_every} attempt={attempt()} max_restarts={os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')}"
     )
     start = resume(args, model_name, model, optimizer, scaler, ctx)
 
@@ -186,7 +188,9 @@ def train(ctx, args) -> dict:
     # The loader's own generator, reseeded every epoch: iter(loader) must not draw from the default
     # generator that dropout uses, or a resume puts every later mask one draw out of step (seeding.dataloader_seed).
     loader_generator = torch.Generator()
-    loader = DataLoader(splits.train, batch_size=args.batch_size, sampler=sampler, num_workers=workers, generator=loader_generator)
+    loader = DataLoader(
+        splits.train, batch_size=args.batch_size, sampler=sampler, num_workers=workers, generator=loader_generator
+    )
     recorder = open_recorder(args.record_samples, ctx)
     global_step, max_steps = start["global_step"], args.max_steps or float("inf")
     for epoch in range(start["epoch"], args.epochs):
