@@ -334,8 +334,7 @@ def gradscaler_part(ctx, args) -> dict:
     for mode, sync in (("ddp", True), ("no_sync", False)):
         every_rank = [None] * ctx.world_size
         dist.all_gather_object(every_rank, scaler_steps(ctx, sync))
-        result[mode] = every_rank  # [rank][step] records
-        gc.collect()  # this mode's DDP model goes before the next one is built
+        result[mode] = every_rank  # [rank][step] records; main() collects the DDP models after the part
     return result
 
 
