@@ -8,7 +8,7 @@ Inside each job the implementations' timings are interleaved and each job report
 the median of same-repeat ratios to torch DDP's step time; the benchmark keeps the median over rounds,
 so a slow moment of the machine that hits one repeat or one round does not decide the verdict.
 
-Targets (issue 12), checked at every cap: BucketedDDP at most 1.10x torch DDP's step time, and NaiveDDP
+Targets, checked at every cap: BucketedDDP at most 1.10x torch DDP's step time, and NaiveDDP
 slower than both. Exits with status 1 when one is missed, 0 when all are met.
 At 25 MiB this model's 3.1 MiB of gradients make ONE bucket (nothing can overlap with backward);
 at 1 MiB they make four, about one per transformer block.

@@ -321,7 +321,7 @@ def check_small_models(args, ctx, minddp, impl: str) -> dict:
         tolerance = EPS_PER_STEP * args.check_steps * torch.finfo(torch.float32).eps * float(single.abs().max())
         diffs[name] = job_max(float((mine - single).abs().max()), ctx)
         passed = passed and diffs[name] <= tolerance
-        log(f"  {impl:<9} {name:<20} max|w - one process| {diffs[name]:.1e}   {'PASS' if diffs[name] <= tolerance else 'FAIL'}")
+        log(f"  {impl:<9} {name:<21} max|w - one process| {diffs[name]:.1e}   {'PASS' if diffs[name] <= tolerance else 'FAIL'}")
     return {"small_models_max_abs_diff": diffs, "small_models_passed": passed}
 
 
