@@ -68,7 +68,8 @@ def diagnose_startup(text: str) -> Diagnosis | None:
     clients = re.search(r"waiting for clients\. (\d+)/(\d+) clients joined", text)
     if clients:
         joined, expected = clients.groups()
-        return Diagnosis("rendezvous", f"only {joined} of the {expected} processes this rank expects (WORLD_SIZE) reached the store")
+        expects = f"{expected} processes this rank expects (WORLD_SIZE)"
+        return Diagnosis("rendezvous", f"only {joined} of the {expects} reached the store")
     key = re.search(r"wait timeout after (\d+)ms, keys: (\S+)", text)
     if key:
         peer = re.search(r"/(\d+)$", key.group(2))  # the key names the rank whose address it waited for

@@ -145,7 +145,8 @@ def test_init_only_without_the_environment_says_so_in_one_line():
 
 
 def lecture_text():
-    return "\n".join("".join(cell["source"]) for cell in json.loads(LECTURE.read_text())["cells"] if cell["cell_type"] == "markdown")
+    cells = json.loads(LECTURE.read_text())["cells"]
+    return "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "markdown")
 
 
 @pytest.mark.timeout(60)

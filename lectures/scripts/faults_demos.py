@@ -1,4 +1,4 @@
-"""Lecture 6's field-guide demos that do not hang: wrong results, a crash that raises, the flight recorder.
+"""Lecture 6's field-guide demos: wrong results, a crash that raises, the flight recorder; start-up failures.
 
     torchrun --standalone --nproc_per_node=2 lectures/scripts/faults_demos.py --json report.json --trace-dir traces
 
