@@ -198,9 +198,10 @@ def check_checkpoint(obs) -> tuple[Verdict, dict | None]:
     saved_verdict, weights = lab4.check_saved_model(obs)
     extra = [rank for rank, paths in writers.items() if rank != 0 and paths]
     if extra:
-        names = sorted({Path(path).name for rank in extra for path in writers[rank]})
-        who = " and ".join(f"rank {rank}" for rank, paths in writers.items() if paths)
-        return Verdict(5, "FAIL", f"{who} all called torch.save on {', '.join(names)}: one file, several writers"), weights
+        names = ", ".join(sorted({Path(path).name for rank in extra for path in writers[rank]}))
+        who = [str(rank) for rank, paths in writers.items() if paths]
+        ranks = f"ranks {', '.join(who[:-1])} and {who[-1]}" if len(who) > 1 else f"rank {who[0]}"
+        return Verdict(5, "FAIL", f"{ranks} each called torch.save on {names}: one file, {len(who)} writers"), weights
     if saved_verdict.status == "PASS" and writers[0]:
         return Verdict(5, "PASS", f"rank 0 alone wrote it; {saved_verdict.evidence}"), weights
     return renumbered(5, saved_verdict), weights
