@@ -274,9 +274,10 @@ STALE_LISTING = textwrap.dedent(
     from ddp_course.launch import import_script
 
     lab = import_script(sys.argv[1])
+    sys.argv = sys.argv[1:]  # the lab's own name in its messages
     if os.environ["RANK"] == "1":
         lab.latest_checkpoint = lambda directory: list_checkpoints(directory)[-2]
-    sys.exit(lab.main(lab.parse_args(sys.argv[2:])))
+    sys.exit(lab.main(lab.parse_args(sys.argv[1:])))
     """
 )
 DROPOUT_FLAGS = ["--dropout", 0.2, "--batch-size", 96, "--max-steps", STEPS]  # 8 batches per epoch: all in epoch 1

@@ -182,6 +182,7 @@ STALE_NODE = textwrap.dedent(
     from ddp_course.launch import import_script
 
     stale, lab = sys.argv[1], import_script(sys.argv[2])
+    sys.argv = sys.argv[2:]  # the lab's own name in its messages ("lab7_fault_tolerance.py: error: ...")
     fresh_load = training.load_checkpoint
 
     def older_copy(*args):
@@ -192,7 +193,7 @@ STALE_NODE = textwrap.dedent(
         lab.latest_checkpoint = lambda directory: list_checkpoints(directory)[-2]
     if os.environ["RANK"] == "1" and stale == "file":
         training.load_checkpoint = older_copy
-    sys.exit(lab.main(lab.parse_args(sys.argv[3:])))
+    sys.exit(lab.main(lab.parse_args(sys.argv[1:])))
     """
 )
 
