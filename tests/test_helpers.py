@@ -186,6 +186,40 @@ def test_rng_state_round_trips_through_a_safe_checkpoint(tmp_path):
     assert torch.equal(expected[0], restored[0]) and expected[1] == restored[1]
 
 
+
+def test_a_dataloader_iterator_draws_from_the_default_generator_unless_it_has_its_own():
+    """Why the labs give their DataLoaders a generator (finding 3 of the 2026-11-24 review): iter(loader)
+    draws a base seed for its workers even with num_workers=0, which puts dropout one draw out of step."""
+    dataset = torch.arange(8.0)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    iter(torch.utils.data.DataLoader(dataset, batch_size=4))
+    assert not torch.equal(torch.get_rng_state(), before)  # the default stream moved
+    before = torch.get_rng_state()
+    own = torch.Generator().manual_seed(seeding.dataloader_seed(0, rank=1, epoch=2))
+    iter(torch.utils.data.DataLoader(dataset, batch_size=4, generator=own))
+    assert torch.equal(torch.get_rng_state(), before)  # untouched
+
+
+def test_dataloader_seed_depends_on_seed_rank_and_epoch_only():
+    seeds = {seeding.dataloader_seed(seed, rank, epoch) for seed in (0, 1) for rank in range(4) for epoch in range(3)}
+    assert len(seeds) == 24 and all(0 <= seed < 2**63 for seed in seeds)
+    assert seeding.dataloader_seed(0, 1, 2) == seeding.dataloader_seed(0, 1, 2)
+
+
+def test_rank0_decides_alone_in_a_single_process(outside_torchrun):
+    ctx = distributed.setup_distributed("gloo", timeout_s=30)
+    try:
+        from ddp_course.training import check_ranks_agree, rank0_decides
+
+        assert rank0_decides(lambda: ("checkpoint_step00000025.pt", {"global_step": 30}), ctx) == (
+            "checkpoint_step00000025.pt", {"global_step": 30},
+        )  # fmt: skip
+        check_ranks_agree("global_step", 25, "a path")  # one rank always agrees with itself
+    finally:
+        distributed.teardown_distributed()
+
+
 # ---- data and models -------------------------------------------------------------------------
 
 
