@@ -211,8 +211,10 @@ LAB_RUNS = (
     LabRun("lab6", "labs/lab6_ddp_from_scratch.py",
            ("--module", "solutions", "--impl", "all", "--zero", "--check-steps", "3", "--warmup-steps", "1", "--steps", "2",
             "--repeats", "1", "--json", "{out}/lab6.json"), lab6_figure),
+    # Lab 7 refuses torchrun's shared agent store on every launch (its docstring), restarts or not.
     LabRun("lab7", "labs/lab7_fault_tolerance.py",
-           ("--max-steps", "20", "--checkpoint-dir", "{out}/checkpoints", "--metrics-json", "{out}/lab7.json"), accuracy_figure("lab7.json")),
+           ("--max-steps", "20", "--checkpoint-dir", "{out}/checkpoints", "--metrics-json", "{out}/lab7.json"), accuracy_figure("lab7.json"),
+           env=tuple(RESTART_SAFE_ENV.items())),
     LabRun("lab7_hangs_join", "labs/lab7_hangs.py", ("--scenario", "uneven-join", "--json", "{out}/hangs.json"), lab7_hangs_figure,
            min_ranks=2),
     LabRun("lab5_resnet18_amp", "labs/lab5_scaling.py",
