@@ -82,10 +82,11 @@ class ResumableDistributedSampler(Sampler[int]):
         return iter(rest[self.rank :: self.num_replicas])
 
 
-# What torchrun's environment needs for restarts that work (--max-restarts, --nnodes=MIN:MAX), as
-# measured with gloo on torch 2.14: by default torchrun lets the workers share its rendezvous store
-# and keeps that one store for every attempt, so a restarted worker can read the address a dead
-# worker of the last attempt published and fail ("connectFullMesh ... Connection refused") or wait.
-# With this variable every attempt gets a fresh store. labs/lab7_fault_tolerance.py explains it,
-# refuses restarts without it, and the tests, the lab sheet and labs/slurm/lab3.sbatch set it.
+# What torchrun's environment needs for restarts that work (--max-restarts, --nnodes=MIN:MAX): by
+# default torchrun lets the workers share its rendezvous store and keeps that one store for every
+# attempt, so a restarted worker can read the address a dead worker of the last attempt published
+# and fail ("connectFullMesh ... Connection refused") or wait. Measured with gloo on torch 2.14; the
+# cause is backend-independent (NCCL's unique id goes through the same store). With this variable
+# every attempt gets a fresh store. labs/lab7_fault_tolerance.py explains it and refuses any torchrun
+# that shares its store without it; the tests, the lab sheet and labs/slurm/lab3.sbatch set it.
 RESTART_SAFE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
