@@ -53,10 +53,28 @@ class RunResult:
         """True when a rank died of gloo's exit crash (see GLOO_EXIT_ABORT), not of its own error."""
         return not self.ok and GLOO_EXIT_ABORT in self.stderr
 
+    def stderr_tail(self, lines: int = 20) -> str:
+        """The last lines the job wrote to stderr: where a failed job says why (torchrun's report ends it)."""
+        return "\n".join(self.stderr.rstrip().splitlines()[-lines:])
+
     def describe(self) -> str:
         """Everything a failing test should show: the command, the status and both streams."""
         status = "timed out" if self.timed_out else f"exit status {self.returncode}"
         return f"$ {' '.join(self.command)}\n[{status} after {self.wall_s:.1f} s]\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+
+def show_failures(*results: RunResult, expected: int = 0, lines: int = 20) -> None:
+    """In a notebook cell: for every job that did not exit with `expected`, print why (its stderr's last lines).
+
+    A job that ends as expected prints nothing here, so a cell's stored output stays the same; one that
+    fails explains itself to the learner and in nbval's diff, instead of showing only a wrong status.
+    """
+    for result in results:
+        if result.returncode == expected:
+            continue
+        status = "timed out" if result.timed_out else f"exit status {result.returncode}"
+        print(f"--- {status} (expected {expected}); the last lines of its stderr:")
+        print(result.stderr_tail(lines) or "(nothing on stderr)")
 
 
 def torchrun_command(script: str | Path, args=(), nproc: int = 2, torchrun_args=()) -> list[str]:
