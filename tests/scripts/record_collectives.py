@@ -30,6 +30,7 @@ WRAPPED = (
     "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
     "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "monitored_barrier",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+    "all_gather_single", "reduce_scatter_single",  # torch 2.14's names for the *_tensor pair (FSDP uses them)
 )  # fmt: skip
 calls: dict[str, int] = {}
 violations: list[str] = []
@@ -84,7 +85,7 @@ def checked(op: str, real):
 def install() -> None:
     import torch.distributed.distributed_c10d as c10d
 
-    for op in WRAPPED:
+    for op in (op for op in WRAPPED if hasattr(dist, op)):  # an older torch lacks the newest names
         wrapper = checked(op, getattr(dist, op))
         setattr(dist, op, wrapper)
         if op in ("isend", "irecv"):
