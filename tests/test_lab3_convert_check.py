@@ -59,7 +59,7 @@ EVIDENCE = {
     "loss-over-world-size": r"FAIL +step 1's gradient is 0\.50 x the gradient of the mean loss over the global batch \(2 ranks x 128 samples\)",
     "save-on-every-rank": r"FAIL +ranks 0 and 1 each called torch\.save on model\.pt: one file, 2 writers",
     "rank0-metrics": r"FAIL +the reported accuracy 0\.\d{4} is the saved model's score on the 180 held-out images rank 0 evaluated \(\d+/180\); on all 359 held-out images it scores 0\.\d{4} \(\d+/359\)",
-    "barrier-on-rank-0": r"FAIL +rank 0 called barrier after optimizer step 12 \(epoch 1\); rank 1 finished without making that call",
+    "barrier-on-rank-0": r"FAIL +rank 0 called barrier after optimizer step 12 \(epoch 1\); rank 1 finished without making that call .*until their process group's timeout",
 }  # fmt: skip
 # Checks that a mistake leaves undecidable, with the reason the checker must give instead of a guess.
 BLOCKED_BY = {
@@ -137,7 +137,10 @@ def test_solution_passes_all_seven_checks(runs):
     assert all(line.startswith("PASS ") for line in verdicts.values()), output
     assert "in epoch 0 the ranks read disjoint shares (719, 719 samples) covering all 1438" in verdicts[1]
     assert "both ranks held the same weights before each of their 12 optimizer steps" in verdicts[3]
-    assert verdicts[4].endswith("and after 11 steps the weights equal those of one process trained on the same global batches"), verdicts[4]
+    assert verdicts[4] == (
+        "PASS the gradient of each of the first 3 steps is the global batch's mean-loss gradient (2 ranks x 128 samples), "
+        "and after 3 steps the weights equal those of one process trained on the same global batches"
+    )
     assert verdicts[5].startswith("PASS rank 0 alone wrote it; it loads into a bare DigitsCNN (strict)"), verdicts[5]
     assert re.fullmatch(r"PASS the reported accuracy 0\.\d{4} is the saved model's on all 359 held-out images \(\d+/359\)", verdicts[6])
     assert "result: 7 passed, 0 failed, 0 blocked of 7 checks" in output
