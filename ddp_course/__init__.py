@@ -13,7 +13,7 @@ Only the boring parts live here; each lab keeps inline the DDP lines it teaches.
     training     what lab 3 and lab 7 share: training-state save/restore (model, optimizer, position in
                  the epoch, every rank's RNG state), job-wide evaluation, rank 0's buffers, CPU weights
     resume       ResumableDistributedSampler: start an epoch at a count of samples consumed, on any
-                 world size; RESTART_SAFE_ENV for torchrun restarts on gloo
+                 world size; RESTART_SAFE_ENV for torchrun restarts
     multinode    several torchrun agents on one machine (c10d rendezvous on 127.0.0.1, a free port);
                  losing one, as a node is lost
     faults       name a torch.distributed error's kind in one deterministic line (mismatch, missing
