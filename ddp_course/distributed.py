@@ -17,6 +17,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, on purpose. torch.distributed.nn.functional declares its
+# functions with `group=group.WORLD` defaults, evaluated when the module is first imported; DDP's first
+# construction imports it lazily (through torch._dynamo), after init_process_group, so ten default
+# arguments keep the default group alive after destroy_process_group(). Its gloo worker threads then
+# meet the interpreter's shutdown and can abort the process ("terminate called without an active
+# exception"). Imported here, the defaults capture None. (benchmarks/teardown_stability.py measures it.)
+import torch.distributed.nn.functional  # noqa: F401,E402
+
 from ddp_course.cli import CourseError
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -176,9 +184,10 @@ def teardown_distributed() -> None:
 
     Call it after the DDP model is out of reach (return from the function that built it). DDP keeps
     reference cycles, so the model survives until the garbage collector runs; if it is still alive
-    when the group is destroyed, gloo's worker threads can abort the interpreter at exit
-    ("terminate called without an active exception", about 1 run in 5 on our 2-core CPU machines).
-    Collecting first made that 0 in 95 runs.
+    when the group is destroyed, it keeps the group (and gloo's worker threads) alive into the
+    interpreter's shutdown, which can abort the process ("terminate called without an active
+    exception", about 1 run in 5 on our 2-core CPU machines). Collecting first made that 0 in 95
+    runs; the import at the top of this module closes the other way the group outlived destroy.
     """
     gc.collect()
     if dist.is_available() and dist.is_initialized():

@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401 - before init, or its group= defaults keep the group alive at exit
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
@@ -40,7 +41,6 @@ def main():
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timedelta(minutes=5))  # a stuck collective fails, never hangs
     rank, world_size = dist.get_rank(), dist.get_world_size()
-
     torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
     digits = load_digits()  # 1,438 training and 359 held-out 8x8 images, as tensors
     model = DDP(DigitsCNN().to(device), device_ids=[local_rank] if device.type == "cuda" else None)

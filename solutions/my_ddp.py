@@ -20,6 +20,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401 - before init, or its group= defaults keep the group alive at exit
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
