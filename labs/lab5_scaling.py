@@ -1,4 +1,4 @@
-"""Lab 5, the scaling checkpoint: how fast does DDP train on N processes, and where does time go?
+"""Lab 5, the scaling assessment: how fast does DDP train on N processes, and where does time go?
 
 One run (under torchrun) times training steps of one configuration twice: with DDP's gradient
 all-reduce, and under `ddp_model.no_sync()`, which skips it. The difference is the communication
