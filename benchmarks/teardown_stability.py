@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddp_course.launch import REPO_ROOT, RunResult, run_torchrun
+from ddp_course.resume import RESTART_SAFE_ENV
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,12 @@ class JobKind:
     script: str  # relative to the repository root
     args: tuple[str, ...]  # "{out}" stands for a fresh directory of this launch
     nproc: int = 2
+    env: tuple[tuple[str, str], ...] = ()  # extra environment variables
 
     def launch(self, out: Path) -> RunResult:
         args = [arg.replace("{out}", str(out)) for arg in self.args]
-        return run_torchrun(REPO_ROOT / self.script, args, nproc=self.nproc, timeout_s=300, env={"PYTHONFAULTHANDLER": "1"})
+        env = {"PYTHONFAULTHANDLER": "1", **dict(self.env)}
+        return run_torchrun(REPO_ROOT / self.script, args, nproc=self.nproc, timeout_s=300, env=env)
 
 
 # The jobs the suite launches, at the sizes the tests and notebooks use.
@@ -55,7 +58,8 @@ KINDS = (
             ("--config", "comm_bound", "--warmup-steps", "1", "--steps", "2", "--repeats", "1", "--json", "{out}/l5.json")),
     JobKind("lab6", "labs/lab6_ddp_from_scratch.py",
             ("--module", "solutions", "--impl", "all", "--check-steps", "3", "--warmup-steps", "1", "--steps", "2", "--repeats", "1")),
-    JobKind("lab7", "labs/lab7_fault_tolerance.py", ("--max-steps", "20", "--checkpoint-dir", "{out}/ckpt")),
+    JobKind("lab7", "labs/lab7_fault_tolerance.py", ("--max-steps", "20", "--checkpoint-dir", "{out}/ckpt"),
+            env=tuple(RESTART_SAFE_ENV.items())),  # lab 7 refuses torchrun without it
     JobKind("lecture4_demos", "lectures/scripts/ddp_internals_demos.py", ("--json", "{out}/r.json", "--trace-dir", "{out}/t")),
     JobKind("lecture5_perf", "lectures/scripts/perf_ddp_job.py", ("--out-dir", "{out}", "--parts", "profile,hooks,accumulation,zero,gradscaler")),
 )  # fmt: skip
