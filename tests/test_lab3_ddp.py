@@ -72,11 +72,27 @@ def test_default_run_learns_above_97_percent(default_run, read_json):
     epoch_lines = re.findall(r"epoch (\d+)/10 .*\((\d+)/(\d+)\)", result.stdout)
     assert [int(epoch) for epoch, _, _ in epoch_lines] == list(range(1, 11))
     assert all(total == "359" for _, _, total in epoch_lines)
-    history = metrics["history"]
-    assert [entry["epoch"] for entry in history] == list(range(1, 11))
-    assert history[-1]["eval_accuracy"] == metrics["eval_accuracy"] and history[-1]["step"] == 230
-    assert history[0]["train_loss"] > history[-1]["train_loss"]
+    epochs = metrics["epochs"]
+    assert [entry["epoch"] for entry in epochs] == list(range(1, 11))
+    assert epochs[-1]["eval_accuracy"] == metrics["eval_accuracy"] and epochs[-1]["step"] == 230
+    assert epochs[0]["train_loss"] > epochs[-1]["train_loss"]
     assert "global_batch=64" in result.stdout
+
+
+@pytest.mark.timeout(180)
+def test_history_is_a_learning_curve_every_10_steps(default_run, read_json):
+    """The default run records the job-wide loss every 10 steps: 23 points over 230 steps, not 10 epochs."""
+    _, directory = default_run
+    metrics = read_json(directory / "metrics.json")
+    history = metrics["history"]
+    assert metrics["log_every"] == 10 and len(history) >= 20
+    assert [entry["step"] for entry in history] == list(range(10, 231, 10))
+    # Step s lies in epoch ceil(s / 23); every point but the first covers 10 steps of 64 samples
+    # (2 ranks' samples: the job-wide loss), except those holding an epoch's short last batch (2 x 15).
+    assert [entry["epoch"] for entry in history] == [-(-entry["step"] // 23) for entry in history]
+    assert all(entry["samples"] in (640, 640 - 2 * (32 - 15)) for entry in history)
+    assert sum(entry["samples"] for entry in history) == 10 * 1438  # every sample of every epoch, once
+    assert history[0]["train_loss"] > 1.0 > 0.1 > history[-1]["train_loss"]
 
 
 @pytest.mark.timeout(180)
@@ -92,16 +108,16 @@ def test_throughput_is_per_epoch(default_run, read_json):
     """One samples_per_s per epoch, each this epoch's samples / seconds (not a running average)."""
     result, directory = default_run
     metrics = read_json(directory / "metrics.json")
-    history = metrics["history"]
-    assert len(history) == 10 and all(entry["samples_per_s"] > 0 for entry in history)
+    epochs = metrics["epochs"]
+    assert len(epochs) == 10 and all(entry["samples_per_s"] > 0 for entry in epochs)
     # 2 ranks x 719 samples (DistributedSampler's shards of the 1,438 digits, no padding needed).
-    assert all(entry["samples"] == 1438 for entry in history)
-    for entry in history:
+    assert all(entry["samples"] == 1438 for entry in epochs)
+    for entry in epochs:
         assert entry["samples_per_s"] == pytest.approx(entry["samples"] / entry["train_seconds"])
     # Each epoch line prints its own epoch's figure (rounded to whole samples/s).
     printed = [float(rate) for rate in re.findall(r"\| (\d+) samples/s", result.stdout)]
-    assert printed == [pytest.approx(entry["samples_per_s"], abs=0.5) for entry in history]
-    later = history[1:]
+    assert printed == [pytest.approx(entry["samples_per_s"], abs=0.5) for entry in epochs]
+    later = epochs[1:]
     expected = sum(entry["samples"] for entry in later) / sum(entry["train_seconds"] for entry in later)
     assert metrics["samples_per_s_after_first_epoch"] == pytest.approx(expected)
     assert "samples_per_s" not in metrics  # the old cumulative figure is gone, not silently redefined
@@ -178,13 +194,13 @@ def test_two_ranks_equal_one_process_on_the_global_batch(equivalent_runs, read_j
     assert f"batch={batch}/rank accumulation={accumulation} global_batch={GLOBAL_BATCH}" in results[name].stdout
     metrics = read_json(directory / f"{name}.json")
     assert (metrics["steps"], metrics["global_batch_size"], metrics["accumulation_steps"]) == (STEPS, GLOBAL_BATCH, accumulation)
-    assert [entry["step"] for entry in metrics["history"]] == [4, 6]  # the run crossed the end of epoch 1
+    assert [entry["step"] for entry in metrics["epochs"]] == [4, 6]  # the run crossed the end of epoch 1
 
     difference = max_relative_difference(load_weights(directory / f"{name}.pt"), load_weights(directory / "one_process.pt"))
     assert difference < ROUNDING_TOLERANCE, f"{name}: max relative difference {difference:.2e}"
     # The printed train loss is the per-sample mean over the epoch, as one process computes it.
-    reference = read_json(directory / "one_process.json")["history"]
-    for entry, expected in zip(metrics["history"], reference, strict=True):
+    reference = read_json(directory / "one_process.json")["epochs"]
+    for entry, expected in zip(metrics["epochs"], reference, strict=True):
         assert entry["train_loss"] == pytest.approx(expected["train_loss"], rel=ROUNDING_TOLERANCE)
 
 
