@@ -19,7 +19,7 @@ from ddp_course.notebooks import check_verdict, not_solved_verdicts, run_all_cel
 
 LECTURE = REPO_ROOT / "lectures" / "05_scaling_performance.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "05_scaling_performance_solutions.ipynb"
-FUNCTIONS = {1: "predicted_step_seconds", 2: "largest_batch", 3: "powersgd_elements"}
+FUNCTIONS = {1: "hierarchical_phases", 2: "largest_batch", 3: "powersgd_elements"}
 
 
 @pytest.mark.timeout(30)
@@ -49,22 +49,21 @@ def test_the_lecture_stubs_fail_the_same_checks(solved):
     assert stub_verdicts(namespace, LECTURE, FUNCTIONS) == not_solved_verdicts(FUNCTIONS)
 
 
-def ring_s(gradient_bytes, world_size, link, buckets, n_factor=True):
-    """The ring all-reduce time of exercise 1, or (n_factor=False) the common slip 2 S beta."""
-    factor = (world_size - 1) / world_size if n_factor else 1
-    return buckets * 2 * (world_size - 1) * link[0] + 2 * factor * gradient_bytes / link[1]
+def wrong_phases(shard=True, reduce_scatter_share=1, latency_per_bucket=True, network_link=True, all_gather=True):
+    """hierarchical_phases with one mistake switched on."""
 
+    def hierarchical_phases(n_bytes, gpus_per_node, nodes, inside, between=None, buckets=1):
+        latency_count = buckets if latency_per_bucket else 1
+        steps_in = gpus_per_node - 1
+        half_ring = latency_count * steps_in * inside[0] + steps_in / gpus_per_node * n_bytes / inside[1]
+        across = 0.0
+        if nodes > 1:
+            alpha, bandwidth = between if network_link else inside
+            sent = n_bytes / gpus_per_node if shard else n_bytes
+            across = latency_count * 2 * (nodes - 1) * alpha + 2 * (nodes - 1) / nodes * sent / bandwidth
+        return reduce_scatter_share * half_ring, across, half_ring if all_gather else 0.0
 
-def wrong_step(n_factor=True, latency_per_bucket=True, clamp=True, hidden_share=2 / 3):
-    """predicted_step_seconds with one mistake switched on."""
-
-    def predicted_step_seconds(compute_s, gradient_bytes, world_size, link, buckets=1, overlap=1.0):
-        if world_size == 1:
-            return compute_s
-        exposed = ring_s(gradient_bytes, world_size, link, buckets if latency_per_bucket else 1, n_factor) - overlap * hidden_share * compute_s
-        return compute_s + (max(0.0, exposed) if clamp else exposed)
-
-    return predicted_step_seconds
+    return hierarchical_phases
 
 
 def wrong_batch(adam_bytes=8, buckets=True, shard_gradients=False, rounding=math.floor):
@@ -94,9 +93,11 @@ def compressed_or_not(n, m, rank, rate, compressed):
 
 
 WRONG_ANSWERS = {
-    1: {"2 S beta, whatever N": wrong_step(n_factor=False), "latency once, not per bucket": wrong_step(latency_per_bucket=False),
-        "overlap can make the step shorter than its computation": wrong_step(clamp=False),
-        "the whole step hides communication": wrong_step(hidden_share=1.0)},
+    1: {"the full bytes cross the network": wrong_phases(shard=False),
+        "the reduce-scatter costed as a whole all-reduce": wrong_phases(reduce_scatter_share=2),
+        "the node's whole ring in the reduce-scatter, the all-gather free": wrong_phases(reduce_scatter_share=2, all_gather=False),
+        "latency once, not per bucket": wrong_phases(latency_per_bucket=False),
+        "the shard crosses on the fast link": wrong_phases(network_link=False)},
     2: {"no bucket copy": wrong_batch(buckets=False), "Adam keeps one moment": wrong_batch(adam_bytes=4),
         "ZeRO-1 shards the gradients too": wrong_batch(shard_gradients=True), "rounds up": wrong_batch(rounding=math.ceil)},
     3: {"everything compressed": wrong_powersgd(lambda n, m, shape, rank, rate: (n + m) * min(n, m, rank)),
@@ -136,3 +137,9 @@ def test_scaling_prose_agrees_with_the_lectures_own_model(solved):
     assert all(a > b for a, b in zip(overlap[peak:], overlap[peak + 1:]))  # then it falls
     efficiency = [namespace["weak_scaling_efficiency"](namespace["gpt2"], n, namespace["network"]) for n in (16, 64, 256, 1024)]
     assert all(a > b for a, b in zip(efficiency, efficiency[1:])) and round(efficiency[-1], 2) == 0.31  # never levels off
+
+
+@pytest.mark.timeout(120)
+def test_exercise_1s_wrong_answers_differ_from_a_right_one_only_by_their_mistake(solved):
+    namespace, _ = solved
+    assert check_verdict(namespace, 1, hierarchical_phases=wrong_phases()) == "exercise 1: correct"
