@@ -9,11 +9,11 @@ runs the exercise's own check and expects "not yet"; the lecture's stubs must ma
 import pytest
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import check_verdict, not_solved_verdicts, run_all_cells, stub_verdicts
+from ddp_course.notebooks import check_verdict, not_solved_verdicts, run_all_cells, run_check, stub_verdicts
 
 LECTURE = REPO_ROOT / "lectures" / "04_ddp_internals.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "04_ddp_internals_solutions.ipynb"
-FUNCTIONS = {1: "launch_sequence", 2: "fp16_mean_hook"}
+FUNCTIONS = {1: "launch_sequence", 2: "bf16_mean_hook"}
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +73,12 @@ def test_exercise_2_rejects_sums_blocking_calls_and_wrong_dtypes(solved):
 
     def no_division(process_group, bucket):
         buffer = bucket.buffer()
-        work = dist.all_reduce(buffer.to(torch.float16), async_op=True)
+        work = dist.all_reduce(buffer.to(torch.bfloat16), async_op=True)
         return work.get_future().then(lambda f: buffer.copy_(f.value()[0]))
 
     def blocking(process_group, bucket):
         buffer = bucket.buffer()
-        compressed = (buffer / dist.get_world_size()).to(torch.float16)
+        compressed = (buffer / dist.get_world_size()).to(torch.bfloat16)
         dist.all_reduce(compressed)
         future = torch.futures.Future()
         future.set_result(buffer.copy_(compressed))
@@ -86,7 +86,7 @@ def test_exercise_2_rejects_sums_blocking_calls_and_wrong_dtypes(solved):
 
     def waits_inside(process_group, bucket):
         buffer = bucket.buffer()
-        compressed = (buffer / dist.get_world_size()).to(torch.float16)
+        compressed = (buffer / dist.get_world_size()).to(torch.bfloat16)
         dist.all_reduce(compressed, async_op=True).wait()
         future = torch.futures.Future()
         future.set_result(buffer.copy_(compressed))
@@ -96,9 +96,41 @@ def test_exercise_2_rejects_sums_blocking_calls_and_wrong_dtypes(solved):
         buffer = bucket.buffer().div_(dist.get_world_size())
         return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
 
-    def stays_float16(process_group, bucket):
-        compressed = (bucket.buffer() / dist.get_world_size()).to(torch.float16)
+    def stays_bfloat16(process_group, bucket):
+        compressed = (bucket.buffer() / dist.get_world_size()).to(torch.bfloat16)
         return dist.all_reduce(compressed, async_op=True).get_future().then(lambda f: f.value()[0])
 
-    for wrong in (no_division, blocking, waits_inside, not_compressed, stays_float16):
-        assert check_verdict(namespace, 2, fp16_mean_hook=wrong) == "exercise 2: not yet", wrong.__name__
+    for wrong in (no_division, blocking, waits_inside, not_compressed, stays_bfloat16):
+        assert check_verdict(namespace, 2, bf16_mean_hook=wrong) == "exercise 2: not yet", wrong.__name__
+
+
+def hook_in(torch, dist, dtype):
+    """The right hook, sending dtype: with torch.bfloat16 the solution, with torch.float16 torch's fp16_compress_hook."""
+
+    def hook(process_group, bucket):
+        buffer = bucket.buffer()
+        compressed = (buffer / dist.get_world_size(process_group)).to(dtype)
+        work = dist.all_reduce(compressed, group=process_group, async_op=True)
+        return work.get_future().then(lambda future: buffer.copy_(future.value()[0]))
+
+    return hook
+
+
+@pytest.mark.timeout(180)
+def test_exercise_2_rejects_float16_and_says_it_overflows(solved):
+    """The old exercise's answer (float16) is rejected; a float16 round trip sent as bf16 is rejected by the
+    gradients near 1e5, the case that shows why bf16 is chosen (checked before real DDP's small gradients)."""
+    namespace, _ = solved
+    torch, dist = namespace["torch"], namespace["dist"]
+    assert check_verdict(namespace, 2, bf16_mean_hook=hook_in(torch, dist, torch.bfloat16)) == "exercise 2: correct"
+    printed = run_check(namespace, 2, bf16_mean_hook=hook_in(torch, dist, torch.float16)).strip().splitlines()
+    assert printed[-1] == "exercise 2: not yet" and "got dtypes" in printed[0]
+
+    def float16_sent_as_bfloat16(process_group, bucket):
+        buffer = bucket.buffer()
+        compressed = (buffer / dist.get_world_size(process_group)).to(torch.float16).to(torch.bfloat16)
+        work = dist.all_reduce(compressed, group=process_group, async_op=True)
+        return work.get_future().then(lambda future: buffer.copy_(future.value()[0].to(torch.float16)))
+
+    printed = run_check(namespace, 2, bf16_mean_hook=float16_sent_as_bfloat16).strip().splitlines()
+    assert printed[-1] == "exercise 2: not yet" and printed[0].startswith("gradients near 1e5"), printed
