@@ -61,6 +61,9 @@ KINDS = (
     JobKind("lab7", "labs/lab7_fault_tolerance.py", ("--max-steps", "20", "--checkpoint-dir", "{out}/ckpt"),
             env=tuple(RESTART_SAFE_ENV.items())),  # lab 7 refuses torchrun without it
     JobKind("lecture4_demos", "lectures/scripts/ddp_internals_demos.py", ("--json", "{out}/r.json", "--trace-dir", "{out}/t")),
+    JobKind("ddp_minimal", "labs/ddp_minimal.py", ("--epochs", "2", "--save", "{out}/w.pt")),  # lecture 1's script
+    JobKind("my_ddp_3_ranks", "solutions/my_ddp.py", ("--epochs", "2", "--save", "{out}/w.pt"), nproc=3),  # the conversion check
+    JobKind("minifsdp_check", "tests/scripts/minifsdp_check.py", ("--timeout-s", "30")),  # FSDP from scratch (lab 8)
     JobKind("lecture5_perf", "lectures/scripts/perf_ddp_job.py", ("--out-dir", "{out}", "--parts", "profile,hooks,accumulation,zero,gradscaler")),
 )  # fmt: skip
 

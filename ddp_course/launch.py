@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +105,20 @@ def run_torchrun(
     """
     command = torchrun_command(script, args, nproc, torchrun_args)
     return run_command(command, timeout_s=timeout_s, threads_per_rank=threads_per_rank, env=env, cwd=cwd, use_gpus=use_gpus)
+
+
+def start_in_background(script: str | Path, args=(), nproc: int = 2, timeout_s: float = 180, **options) -> "Future[RunResult]":
+    """Start run_torchrun(script, args, nproc, ...) in a background thread; `.result()` waits for it.
+
+    A lecture starts its slow job (several seconds of process start-up and torch imports per rank) in
+    its first code cell and reads the result sections later, so the reader never waits for it.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrun")
+    future = pool.submit(run_torchrun, script, args, nproc=nproc, timeout_s=timeout_s, **options)
+    pool.shutdown(wait=False)  # the thread ends with the job; nothing else will be submitted
+    return future
 
 
 def run_command(

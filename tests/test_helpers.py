@@ -439,3 +439,17 @@ def test_run_result_recognises_only_the_gloo_exit_abort():
     assert result(-6, "terminate called without an active exception\n").aborted_at_exit
     assert not result(1, "lab5_scaling.py: error: --amp needs a CUDA GPU\n").aborted_at_exit
     assert not result(0, "terminate called without an active exception\n").aborted_at_exit  # a job that succeeded
+
+
+def test_start_in_background_returns_at_once_and_hands_over_the_result(monkeypatch):
+    release = __import__("threading").Event()
+
+    def slow_run(script, args, nproc, timeout_s, **options):
+        release.wait(10)  # the "job" runs until the test lets it finish
+        return (script, list(args), nproc, timeout_s, options)
+
+    monkeypatch.setattr(launch, "run_torchrun", slow_run)
+    future = launch.start_in_background("job.py", ["--x"], nproc=3, timeout_s=9, env={"A": "1"})
+    assert not future.done()  # the caller goes on while the job runs
+    release.set()
+    assert future.result(timeout=10) == ("job.py", ["--x"], 3, 9, {"env": {"A": "1"}})
