@@ -1,0 +1,188 @@
+"""What a rank holds and what it sends under DDP, ZeRO-1/2 and FSDP (lecture 7, lab 8).
+
+    storage_bytes(tensors)              bytes of the distinct storages behind some tensors (a DTensor: its shard)
+    model_state_bytes(params, opt)      this rank's parameters, gradients and optimizer state, in bytes
+    count_collectives(*modules)         a context manager recording every torch.distributed collective's payload
+    predicted_bytes_per_step(...)       the bytes one rank sends per step under each stage (lecture 2's ring costs)
+
+Bytes are counted from storages, not from shapes: two views of one buffer (DDP's gradient_as_bucket_view,
+tied embeddings) count once, a freed tensor (storage resized to 0, as FSDP does with full weights between
+uses) counts 0, and a DTensor (fully_shard's parameters) counts the local shard this rank really stores.
+
+Ring costs (lecture 2), for a payload of S bytes on N ranks, bytes each rank sends:
+    all-reduce                       2 (N - 1) / N x S   (a reduce-scatter, then an all-gather)
+    all-gather, reduce-scatter       (N - 1) / N x S     (S: the gathered output, the scattered input)
+    broadcast                        (N - 1) / N x S     (pipelined: on average over the ranks)
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# torch.distributed's name -> the kind of collective, and where its full payload S is among the arguments
+# (position, keyword): all-reduce's and broadcast's tensor, all-gather's output, reduce-scatter's input.
+COLLECTIVES = {
+    "all_reduce": ("all_reduce", 0, "tensor"),
+    "broadcast": ("broadcast", 0, "tensor"),
+    "all_gather": ("all_gather", 0, "tensor_list"),  # the output is a list of N tensors
+    "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
+    "all_gather_single": ("all_gather", 0, "output_tensor"),  # torch 2.14's name for all_gather_into_tensor
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
+    "reduce_scatter_single": ("reduce_scatter", 1, "input"),  # torch 2.14's name for reduce_scatter_tensor
+}
+RING_FACTOR = {  # wire bytes per rank = factor(N) x S
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+}
+STAGES = ("ddp", "zero1", "zero2", "fsdp")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard, any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (None entries skipped): each storage counted once, whole."""
+    seen: dict[tuple, int] = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = _local(tensor).untyped_storage()
+        if storage.nbytes() > 0:  # a freed storage (resize_(0)) holds nothing
+            seen[(storage.device, storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
+    """Every tensor in the optimizer's state (Adam's moments and step counts). A ZeRO-1 ShardedOptimizer
+    (solutions/minddp.py) keeps its state in .local_optimizer: that shard is what this rank holds."""
+    optimizer = getattr(optimizer, "local_optimizer", None) or optimizer
+    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+
+
+def model_state_bytes(parameters, optimizer) -> dict[str, int]:
+    """This rank's bytes of model state: {"parameters", "gradients", "optimizer_state", "total"}.
+
+    parameters: what the rank keeps between steps (model.parameters(): DDP's full replicas, minifsdp's
+    slices and replicated 1-D parameters, fully_shard's DTensors). Call it after backward and before
+    zero_grad(), while the gradients exist. Full weights an FSDP gathers only around their use are
+    transient: between steps their storage is freed, so they count 0. DDP's bucket buffers count only
+    when the gradients are views into them (gradient_as_bucket_view=True); otherwise DDP holds another
+    gradient-sized copy that this count does not see.
+    """
+    parameters = list(parameters)
+    gradients = [p.grad for p in parameters]
+    state = optimizer_state_tensors(optimizer) if optimizer is not None else []
+    return {
+        "parameters": storage_bytes(parameters),
+        "gradients": storage_bytes(gradients),
+        "optimizer_state": storage_bytes(state),
+        "total": storage_bytes(parameters + gradients + state),  # a storage shared by two kinds counts once
+    }
+
+
+def _payload_bytes(value) -> int:
+    tensors = value if isinstance(value, (list, tuple)) else [value]
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+@dataclass
+class CollectiveCounter:
+    """Collectives recorded by count_collectives(): calls is a list of (kind, S bytes), in call order."""
+
+    calls: list[tuple[str, int]] = field(default_factory=list)
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        """{kind: total payload S in bytes} over the recorded calls."""
+        totals: dict[str, int] = {}
+        for kind, size in self.calls:
+            totals[kind] = totals.get(kind, 0) + size
+        return totals
+
+    def wire_bytes_per_rank(self, world_size: int) -> float:
+        """Bytes each rank sends for the recorded calls, by the ring costs (module docstring)."""
+        return sum(RING_FACTOR[kind](world_size) * size for kind, size in self.calls)
+
+
+def _counting(kind: str, position: int, keyword: str, real, counter: CollectiveCounter):
+    @functools.wraps(real)
+    def wrapper(*args, **kwargs):
+        payload = args[position] if len(args) > position else kwargs[keyword]
+        counter.calls.append((kind, _payload_bytes(payload)))
+        return real(*args, **kwargs)
+
+    return wrapper
+
+
+@contextmanager
+def count_collectives(*modules):
+    """Record every collective called through torch.distributed while the block runs; yields a CollectiveCounter.
+
+        with count_collectives(minifsdp) as counter:   # minifsdp: a module that saved its own aliases
+            training_step(...)
+        counter.bytes_by_kind(), counter.wire_bytes_per_rank(world_size)
+
+    It replaces the functions of COLLECTIVES in torch.distributed, and in each module given any global that
+    is one of them (solutions/minifsdp.py binds `all_gather_single = dist.all_gather_single` at import:
+    replacing torch.distributed's attribute alone would miss its calls), and puts them back on exit.
+    Not replaced: torch.distributed.distributed_c10d's own globals, so all_gather_into_tensor, which calls
+    c10d's all_gather_single, counts once.
+
+    What it sees in torch 2.14.1:
+    - fully_shard (FSDP2) calls dist.all_gather_single / dist.reduce_scatter_single through the
+      torch.distributed module (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): seen.
+    - torch's DistributedDataParallel all-reduces its buckets inside its C++ Reducer: NOT seen. To count
+      DDP, register a Python comm hook that does the same all-reduce through dist.all_reduce:
+      ddp.register_comm_hook(None, torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook)
+      (one all-reduce per bucket, the bucket's flat gradient as payload). DDP's start-up broadcast of the
+      weights is C++ too, and is not part of a step.
+    """
+    counter = CollectiveCounter()
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    wrappers = {name: _counting(*COLLECTIVES[name], real, counter) for name, real in originals.items()}
+    replaced = []  # (namespace, attribute, original) to restore
+    for namespace in (dist, *modules):
+        for attribute, value in list(vars(namespace).items()):
+            for name, real in originals.items():
+                if value is real:
+                    replaced.append((namespace, attribute, value))
+                    setattr(namespace, attribute, wrappers[name])
+                    break
+    try:
+        yield counter
+    finally:
+        for namespace, attribute, value in reversed(replaced):
+            setattr(namespace, attribute, value)
+
+
+def predicted_bytes_per_step(stage: str, sharded_bytes: float, replicated_bytes: float, world_size: int) -> float:
+    """Bytes one rank sends per training step (ring costs), without gradient accumulation.
+
+    sharded_bytes: the FULL size of the parameters a stage shards (their gradients are the same size in
+    float32); replicated_bytes: parameters every rank keeps whole (minifsdp's 1-D gains and biases).
+    DDP shards nothing: pass every parameter in either argument.
+      ddp    all-reduce every gradient:                     2 (N-1)/N x (sharded + replicated)
+      zero1  as lab 6's ShardedOptimizer: DDP's all-reduce, then each updated parameter broadcast from
+             its owner:                                     + (N-1)/N x (sharded + replicated)
+      zero2  reduce-scatter the gradients, all-gather the updated parameters: DDP's bytes in two halves
+      fsdp   (ZeRO-3) all-gather before forward, again before backward, reduce-scatter after:
+             3 (N-1)/N x sharded = 1.5 x DDP's bytes for the sharded part; replicated gradients all-reduced
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {', '.join(STAGES)}, not {stage!r}")
+    n = world_size
+    one_way = (n - 1) / n  # an all-gather, reduce-scatter or broadcast of the payload
+    everything = sharded_bytes + replicated_bytes
+    if stage == "ddp" or stage == "zero2":
+        return 2 * one_way * everything
+    if stage == "zero1":
+        return 3 * one_way * everything
+    return 3 * one_way * sharded_bytes + 2 * one_way * replicated_bytes
