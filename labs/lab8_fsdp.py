@@ -1,0 +1,281 @@
+"""Lab 8: sharded data parallelism - DDP, ZeRO-1 and FSDP (yours and torch's), checked, weighed and timed.
+
+labs/minifsdp.py is the exercise (solutions/minifsdp.py the finished version): FSDP written from scratch,
+every rank keeping 1/N of each weight matrix. This script runs lab 6's character transformer under
+  ddp          torch's DistributedDataParallel: everything replicated, gradients all-reduced
+  zero1        torch DDP + lab 6's ShardedOptimizer (solutions/minddp.py): Adam's state sharded,
+               each updated parameter broadcast from the rank that owns it
+  fsdp         your FSDP from scratch (--module labs, the default) or ours (--module solutions)
+  fully_shard  torch's FSDP2 (torch.distributed.fsdp.fully_shard) on a DeviceMesh of the job's ranks
+and for each one
+  1. CHECKS: after --check-steps SGD steps on disjoint shards, the full weights must equal those of ONE
+     process training on the whole global batch, within 64 x steps x float32 eps x max|w| (lab 6's bound:
+     another summation order changes a sum by about eps relative per operation; the margin is about 100x
+     the differences seen and far below the unsynchronised control, which must differ);
+  2. WEIGHS the model state each rank keeps with AdamW (parameters, gradients, optimizer state: bytes of
+     the tensors' storages, ddp_course.sharding), on the fullest rank;
+  3. COUNTS the bytes one step communicates (every collective recorded with its payload, turned into
+     bytes each rank sends by lecture 2's ring costs) against the formula (lecture 7);
+  4. TIMES an AdamW step: warm-up, repeats interleaved across implementations, the slowest rank's time,
+     the median over repeats.
+
+From the repository root:
+    your FSDP, 2 CPU processes:  torchrun --standalone --nproc_per_node=2 labs/lab8_fsdp.py --impl fsdp
+    everything, ours:            torchrun --standalone --nproc_per_node=2 labs/lab8_fsdp.py --module solutions --impl all
+    memory at 4 ranks:           torchrun --standalone --nproc_per_node=4 labs/lab8_fsdp.py --module solutions --repeats 1
+    records:                     ... --json runs/lab8.json
+    N GPUs (NCCL; written with care, NOT YET RUN on a GPU):
+                                 torchrun --standalone --nproc_per_node=N labs/lab8_fsdp.py --module solutions
+
+What you should see: with labs/minifsdp.py untouched and --impl fsdp, one line naming the first TODO
+and exit status 1. With --module solutions on 2 CPU ranks every implementation passes the check, FSDP
+keeps about half of DDP's bytes per rank (a quarter at 4 ranks), communicates 1.5x DDP's bytes, and
+every measured byte count is within a few per cent of the formula (solutions/lab8_reference/).
+"""
+
+import functools
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_course.checkpoint import atomic_write_json
+from ddp_course.cli import CourseArgumentParser, CourseError, non_negative_int, positive_float, positive_int
+from ddp_course.data import encode_text, load_stdlib_text, text_splits
+from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
+from ddp_course.launch import import_script
+from ddp_course.reporting import format_table
+from ddp_course.sharding import count_collectives, model_state_bytes, predicted_bytes_per_step, storage_bytes
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Lab 6's model, data, batch and timing helpers, used as they are: the same workload, the same clock.
+lab6 = import_script(REPO_ROOT / "labs" / "lab6_ddp_from_scratch.py", "lab6_ddp_from_scratch")
+IMPLS = ("ddp", "zero1", "fsdp", "fully_shard")
+STAGE = {"ddp": "ddp", "zero1": "zero1", "fsdp": "fsdp", "fully_shard": "fsdp"}  # the formula each one follows
+ADAMW_LR = 1e-3
+
+
+def parse_args(argv=None):
+    parser = CourseArgumentParser(prog="lab8_fsdp.py", description="Check, weigh and time DDP, ZeRO-1 and FSDP.")
+    parser.add_argument("--impl", action="append", choices=IMPLS + ("all",),
+                        help="implementation(s); repeat the flag, or 'all' (default)")
+    parser.add_argument("--module", choices=("labs", "solutions"), default="labs",
+                        help="the FSDP of --impl fsdp: labs (your labs/minifsdp.py) or solutions (the finished one)")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help=f"windows of {lab6.CONTEXT} characters per rank")
+    parser.add_argument("--check-steps", type=positive_int, default=3, help="SGD steps of the correctness check")
+    parser.add_argument("--warmup-steps", type=positive_int, default=2, help="untimed AdamW steps first")
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per repeat")
+    parser.add_argument("--repeats", type=non_negative_int, default=5, help="timing rounds, interleaved across impls (0: no timing)")
+    parser.add_argument("--seed", type=int, default=0, help="model initialization and batches")
+    parser.add_argument("--json", help="write one record per implementation here")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    parser.add_argument("--timeout-s", type=positive_float, default=120.0, help="process-group timeout, seconds")
+    parser.add_argument("--case-timeout-s", type=positive_float, default=90.0,
+                        help="a check still running after this many seconds is a hang: FAIL, and the job ends")
+    args = parser.parse_args(argv)
+    chosen = args.impl or ["all"]
+    args.impls = list(IMPLS) if "all" in chosen else [impl for impl in IMPLS if impl in chosen]
+    if args.json and Path(args.json).is_dir():
+        parser.error(f"--json {args.json} is a folder; give a file name")
+    return args
+
+
+def load_minifsdp(module: str):
+    """labs/minifsdp.py or solutions/minifsdp.py, imported by path (labs/ and solutions/ are not packages)."""
+    path = REPO_ROOT / module / "minifsdp.py"
+    if not path.is_file():
+        raise CourseError(f"{path} is missing: --module {module} needs it")
+    return import_script(path, name=f"{module}_minifsdp")
+
+
+class Trained:
+    """One implementation around a fresh model: what steps, what the optimizer sees, the full weights."""
+
+    def __init__(self, impl: str, args, ctx, modules: dict, make_optimizer):
+        self.impl, self.model = impl, lab6.new_model(args, ctx)  # the same weights on every rank
+        self.wrapped = wrap(impl, self.model, ctx, modules)
+        self.optimizer = make_optimizer(self.wrapped.parameters())
+
+    def step(self, inputs, targets) -> None:
+        """One training step. Gradients are cleared at the start, so after it they can be weighed."""
+        self.optimizer.zero_grad()
+        F.cross_entropy(self.wrapped(inputs).flatten(0, 1), targets.flatten()).backward()
+        if hasattr(self.wrapped, "finish_gradient_synchronization"):  # minifsdp's contract
+            self.wrapped.finish_gradient_synchronization()
+        self.optimizer.step()
+
+    def full_weights(self) -> torch.Tensor:
+        """Every parameter, whole, flattened in the bare model's named_parameters() order (a collective)."""
+        if self.impl == "fsdp":
+            named = self.wrapped.gather_full_params()
+        else:  # fully_shard's parameters are DTensors: full_tensor() all-gathers the shards
+            named = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in self.model.named_parameters()}
+        return torch.cat([named[name].detach().flatten() for name, _ in self.model.named_parameters()])
+
+
+def wrap(impl: str, model, ctx, modules: dict):
+    if impl in ("ddp", "zero1"):
+        device_ids = [ctx.local_rank] if ctx.device.type == "cuda" else None
+        # gradient_as_bucket_view: the gradients live in DDP's buckets, so weighing them counts DDP's real
+        # memory (otherwise DDP keeps a second, hidden copy). The comm hook does what DDP's C++ reducer does
+        # (average each bucket with one all-reduce) through dist.all_reduce, where count_collectives sees it.
+        ddp = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        return ddp
+    if impl == "fsdp":
+        return modules["minifsdp"].FSDP(model)
+    if impl == "fully_shard":
+        from torch.distributed.device_mesh import init_device_mesh  # imports torch._dynamo: seconds, so only here
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # cpu + gloo, or cuda + NCCL
+        # reshard_after_forward=True everywhere, the root too (its default keeps the root's weights
+        # gathered until backward): then every weight is gathered twice per step, as ZeRO-3 and our FSDP do.
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        return fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    return model  # the controls: "single process", "no sync"
+
+
+def make_optimizer(impl: str, modules: dict, optimizer_cls, **kwargs):
+    """optimizer_cls over the parameters; ZeRO-1 wraps it in lab 6's ShardedOptimizer."""
+    if impl == "zero1":
+        return lambda params: modules["minddp"].ShardedOptimizer(params, optimizer_cls, **kwargs)
+    return lambda params: optimizer_cls(params, **kwargs)
+
+
+def check(args, ctx, tokens, modules) -> dict:
+    """Per implementation, max |w - w_single| over the job after --check-steps SGD steps, and the verdict."""
+    sgd = functools.partial(make_optimizer, optimizer_cls=torch.optim.SGD, lr=lab6.CHECK_LR)
+    single = weights_after(args, ctx, tokens, Trained("single process", args, ctx, modules, sgd("single process", modules)))
+    tolerance = lab6.EPS_PER_STEP * args.check_steps * torch.finfo(torch.float32).eps * float(single.abs().max())
+    log(f"check: {args.check_steps} SGD steps, {ctx.world_size} shards of {args.batch_size} windows vs one process on all "
+        f"{args.batch_size * ctx.world_size}; tolerance {tolerance:.2g} ({lab6.EPS_PER_STEP} x steps x float32 eps x max|w|)")
+    results = {}
+    for impl in ([] if ctx.world_size == 1 else ["no sync"]) + args.impls:
+        with lab6.deadline(args.case_timeout_s, f"{impl:<11} the check"):
+            trained = Trained(impl, args, ctx, modules, sgd(impl, modules))
+            difference = lab6.job_max(float((weights_after(args, ctx, tokens, trained) - single).abs().max()), ctx)
+        close = difference <= tolerance
+        verdict = ("CONTROL DID NOT DIFFER" if close else "differs (control)") if impl == "no sync" else ("PASS" if close else "FAIL")
+        results[impl] = {"max_abs_diff_vs_single_process": difference, "tolerance": tolerance, "verdict": verdict}
+        log(f"  {impl:<11} max|w - one process| {difference:.1e}   {verdict}")
+    return results
+
+
+def weights_after(args, ctx, tokens, trained: Trained) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(args.seed)  # the same batches for every implementation
+    for _ in range(args.check_steps):
+        inputs, targets = lab6.global_batch(tokens, generator, args, ctx)
+        if trained.impl != "single process":
+            inputs, targets = lab6.my_rows(inputs, ctx), lab6.my_rows(targets, ctx)
+        trained.step(inputs, targets)
+    return trained.full_weights()
+
+
+def measure(args, ctx, tokens, modules) -> tuple[dict, dict]:
+    """AdamW: per implementation the fullest rank's model-state bytes and one step's communication; then
+    the step times, {impl: [seconds per step, one per repeat]}, the order rotating each repeat."""
+    inputs, targets = (lab6.my_rows(t, ctx) for t in lab6.global_batch(tokens, torch.Generator().manual_seed(args.seed), args, ctx))
+    adamw = functools.partial(make_optimizer, optimizer_cls=torch.optim.AdamW, lr=ADAMW_LR)
+    trained, measured = {}, {}
+    for impl in args.impls:
+        trained[impl] = Trained(impl, args, ctx, modules, adamw(impl, modules))
+        for _ in range(args.warmup_steps):  # first steps build state (Adam's moments, DDP's buckets, lazy init)
+            trained[impl].step(inputs, targets)
+        with count_collectives(*modules.values()) as counter:
+            trained[impl].step(inputs, targets)
+        state = model_state_bytes(trained[impl].wrapped.parameters(), trained[impl].optimizer)
+        measured[impl] = {
+            "model_state_bytes": {kind: int(lab6.job_max(value, ctx)) for kind, value in state.items()},
+            "collective_bytes_by_kind": counter.bytes_by_kind(),
+            "bytes_per_step_measured": counter.wire_bytes_per_rank(ctx.world_size),
+            "bytes_per_step_predicted": predicted(impl, lab6.new_model(args, ctx), ctx.world_size),
+        }
+    times = {impl: [] for impl in args.impls}
+    for repeat in range(args.repeats):
+        shift = repeat % len(args.impls)
+        for impl in args.impls[shift:] + args.impls[:shift]:
+            times[impl].append(lab6.seconds_per_step(lambda t=trained[impl]: t.step(inputs, targets), args.steps, ctx))
+    return measured, times
+
+
+def predicted(impl: str, bare_model, world_size: int) -> float:
+    """The formula's bytes per step for impl. Our FSDP shards the parameters of 2+ dimensions and
+    all-reduces the 1-D ones; fully_shard shards every parameter; DDP and ZeRO-1 replicate all."""
+    parameters = list(bare_model.parameters())  # model.parameters() lists the tied embedding once
+    matrices = storage_bytes(p for p in parameters if p.dim() >= 2)
+    vectors = storage_bytes(p for p in parameters if p.dim() < 2)
+    if impl == "fsdp":
+        return predicted_bytes_per_step("fsdp", matrices, vectors, world_size)
+    return predicted_bytes_per_step(STAGE[impl], matrices + vectors, 0, world_size)
+
+
+def run(args, ctx) -> tuple[list[dict], bool]:
+    modules = {"minddp": lab6.load_minddp("solutions")} if "zero1" in args.impls else {}
+    if "fsdp" in args.impls:
+        modules["minifsdp"] = load_minifsdp(args.module)
+    tokens, _ = text_splits(encode_text(load_stdlib_text()))
+    log(f"config: impls={','.join(args.impls)} module={args.module} world_size={ctx.world_size} backend={ctx.backend} "
+        f"device={ctx.device.type} batch={args.batch_size}x{lab6.CONTEXT} characters/rank")
+    checked = check(args, ctx, tokens, modules)
+    passed = all(checked[impl]["verdict"] == "PASS" for impl in args.impls)
+    passed = passed and (ctx.world_size == 1 or checked["no sync"]["verdict"] == "differs (control)")
+    measured, times = measure(args, ctx, tokens, modules)
+    median = {impl: statistics.median(t) for impl, t in times.items() if t}
+    ddp_total = measured.get("ddp", {}).get("model_state_bytes", {}).get("total")
+    records = [{
+        "impl": impl, "module": args.module if impl == "fsdp" else ("solutions" if impl == "zero1" else "torch"),
+        "world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
+        "batch_size_per_rank": args.batch_size, "check_steps": args.check_steps,
+        **{k: v for k, v in checked[impl].items() if k != "verdict"}, "check_passed": checked[impl]["verdict"] == "PASS",
+        **measured[impl],
+        "bytes_vs_formula": measured[impl]["bytes_per_step_measured"] / measured[impl]["bytes_per_step_predicted"],
+        "state_vs_ddp": measured[impl]["model_state_bytes"]["total"] / ddp_total if ddp_total else None,
+        "step_time_s": median.get(impl), "step_times_s": times.get(impl, []),
+        "vs_fully_shard": lab6.median_ratio(times, impl, "fully_shard"),
+    } for impl in args.impls]  # fmt: skip
+    report(records, args)
+    return records, passed
+
+
+def report(records: list[dict], args) -> None:
+    mib = 2**20
+    short = {"parameters": "params_MiB", "gradients": "grads_MiB", "optimizer_state": "adam_MiB", "total": "total_MiB"}
+    rows = [{"impl": r["impl"], **{short[k]: v / mib for k, v in r["model_state_bytes"].items()},
+             "vs_ddp": r["state_vs_ddp"], "sent_MiB": r["bytes_per_step_measured"] / mib,
+             "formula_MiB": r["bytes_per_step_predicted"] / mib, "ratio": r["bytes_vs_formula"]} for r in records]  # fmt: skip
+    log("model state on the fullest rank (AdamW) and bytes each rank sends per step (ring costs):")
+    log(format_table(rows, list(rows[0])))
+    if args.repeats:
+        log(f"step time (AdamW): median of {args.repeats} repeats of {args.steps} steps, slowest rank")
+        table = [{"impl": r["impl"], "step_time_ms": 1000 * r["step_time_s"], "vs_fully_shard": r["vs_fully_shard"]} for r in records]
+        log(format_table(table, ["impl", "step_time_ms", "vs_fully_shard"]))
+
+
+def main(args) -> int:
+    try:
+        ctx = setup_distributed(args.backend, timeout_s=args.timeout_s)
+        records, passed = run(args, ctx)  # plain numbers: every wrapper is out of reach now
+        if args.json and ctx.is_main:
+            atomic_write_json(records, args.json)
+        if not passed:
+            raise CourseError("the check FAILED: some weights differ from one process's (lines above)")
+        return 0
+    except NotImplementedError as error:  # the exercise's TODOs: every rank reaches the same one
+        log_error(f"{args.module}/minifsdp.py is not finished: {error}")
+        return 1
+    except CourseError as error:
+        log_error(str(error))
+        return 1
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))
