@@ -24,6 +24,7 @@ From the repository root:
     smaller buckets:                ... --module solutions --impl bucketed --impl torch --bucket-cap-mb 1
     torch DDP's own default:        ... --module solutions --impl torch --bucket-cap-mb default   (1 MiB first bucket, then 25)
     your ZeRO-1 (part 4):           ... --impl torch --zero   (torch DDP + your ShardedOptimizer vs AdamW: checked, then timed)
+    stretch goal, your own file:    ... --file labs/naive_ddp_stretch.py --impl naive   (the same check, on its NaiveDDP)
     train for 300 steps:            ... --module solutions --impl bucketed --train-steps 300 --repeats 0
     records and traces:             ... --module solutions --json runs/lab6.json --profile runs/lab6_trace
     N GPUs (NCCL; written with care, NOT YET RUN on a GPU):
@@ -101,6 +102,9 @@ def parse_args(argv=None):
                         help="implementation(s) to check and time; repeat the flag, or 'all' (default)")
     parser.add_argument("--module", choices=("labs", "solutions"), default="labs",
                         help="labs: your labs/minddp.py; solutions: the finished one")
+    parser.add_argument("--file", metavar="PATH",
+                        help="take the wrappers from this Python file instead of --module (the stretch goal: "
+                             "NaiveDDP written from an empty file, checked with --impl naive)")
     parser.add_argument("--bucket-cap-mb", type=bucket_cap, default=25.0,
                         help="BucketedDDP's and torch DDP's cap in MiB, 'none' (one bucket) or 'default' (each one's own)")
     parser.add_argument("--batch-size", type=positive_int, default=4, help=f"windows of {CONTEXT} characters per rank")
@@ -126,15 +130,24 @@ def parse_args(argv=None):
         parser.error(f"--json {args.json} is a folder; give a file name")
     if args.profile and Path(args.profile).is_file():
         parser.error(f"--profile {args.profile} is a file; give a folder")
+    if args.file and not Path(args.file).is_file():
+        parser.error(f"--file {args.file} is not a file; give the Python file that defines your wrapper")
+    # where the wrappers come from, as the log lines, the records and the error messages name it
+    args.source = args.file or f"{args.module}/minddp.py"
     return args
 
 
-def load_minddp(module: str):
-    """labs/minddp.py or solutions/minddp.py, imported by path (labs/ and solutions/ are not packages)."""
-    path = REPO_ROOT / module / "minddp.py"
+def load_minddp(module: str, file: str | None = None, needed=()):
+    """labs/minddp.py or solutions/minddp.py (or --file), imported by path (labs/ and solutions/ are not
+    packages). With --file, every name in needed must be in it: one line says which is not."""
+    path = Path(file) if file else REPO_ROOT / module / "minddp.py"
     if not path.is_file():
         raise CourseError(f"{path} is missing: --module {module} needs it")
-    return import_script(path, name=f"{module}_minddp")
+    loaded = import_script(path, name=f"{path.stem}_minddp")
+    missing = [name for name in needed if not hasattr(loaded, name)]
+    if file and missing:
+        raise CourseError(f"{file} defines no {', '.join(missing)}: write it there, or pick another --impl (the stretch goal is --impl naive)")
+    return loaded
 
 
 def wrap(impl: str, model, minddp, cap_mb, ctx):
@@ -454,9 +467,11 @@ def verdict(impl: str, diffs: dict, tolerance: float) -> str:
 
 
 def run(args, ctx) -> tuple[list[dict], bool]:
-    minddp = load_minddp(args.module) if set(args.impls) - {"torch"} or args.zero else None
+    needed = [WRAPPER_CLASS[impl] for impl in args.impls if impl in WRAPPER_CLASS]
+    needed += ["ShardedOptimizer", "optimizer_state_bytes"] if args.zero else []
+    minddp = load_minddp(args.module, args.file, needed) if needed else None
     tokens, _ = text_splits(encode_text(load_stdlib_text()))  # the held-out end of the text is not used here
-    log(f"config: impls={','.join(args.impls)} module={args.module} world_size={ctx.world_size} backend={ctx.backend} "
+    log(f"config: impls={','.join(args.impls)} module={args.file or args.module} world_size={ctx.world_size} backend={ctx.backend} "
         f"device={ctx.device.type} batch={args.batch_size}x{CONTEXT} characters/rank bucket_cap_mb={args.bucket_cap_mb} "
         f"text={len(tokens)} characters of the standard library's source")  # fmt: skip
     checked = check(args, ctx, tokens, minddp)
@@ -469,7 +484,7 @@ def run(args, ctx) -> tuple[list[dict], bool]:
     times = time_and_profile(args, ctx, tokens, minddp) if args.repeats or args.profile else {}
     median = {impl: statistics.median(t) for impl, t in times.items() if t}
     records = [{
-        "impl": impl, "module": "torch" if impl == "torch" else args.module, "bucket_cap_mb": args.bucket_cap_mb,
+        "impl": impl, "module": "torch" if impl == "torch" else args.file or args.module, "bucket_cap_mb": args.bucket_cap_mb,
         "world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type, "batch_size_per_rank": args.batch_size,
         "check_steps": args.check_steps, **checked[impl],
         "check_passed": verdicts[impl] == "PASS" and checked[impl].get("small_models_passed", True),
@@ -506,7 +521,7 @@ def main(args) -> int:
             raise CourseError("the check FAILED: some weights differ from one process's (table above)")
         return 0
     except NotImplementedError as error:  # the exercise's TODOs: every rank reaches the same one
-        log_error(f"{args.module}/minddp.py is not finished: {error}")
+        log_error(f"{args.source} is not finished: {error}")
         return 1
     except CourseError as error:
         log_error(str(error))

@@ -8,9 +8,12 @@ with the untouched exercise. Four more launch the lab on a learner's module with
 Timing targets are the benchmark's business (benchmarks/lab6_ddp_from_scratch.py), not asserted here.
 """
 
+import ast
 import json
 import re
 import statistics
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -205,6 +208,49 @@ def test_a_wrapper_that_waits_for_a_missing_gradient_fails_instead_of_hanging(tm
     assert "lab6_ddp_from_scratch.py: error: the check FAILED: overlap hung" in result.stderr
 
 
+def naive_ddp_in_an_empty_file(folder, *changes):
+    """The stretch goal done by copying: solutions/minddp.py's imports, _DataParallel and NaiveDDP, alone
+    in a new file, with each (correct, wrong) pair of changes applied."""
+    solution = (REPO_ROOT / "solutions" / "minddp.py").read_text()
+    kept = [node for node in ast.parse(solution).body
+            if isinstance(node, (ast.Import, ast.ImportFrom)) or getattr(node, "name", None) in ("_DataParallel", "NaiveDDP")]
+    text = "\n\n\n".join(ast.get_source_segment(solution, node) for node in kept) + "\n"
+    for correct, wrong in changes:
+        assert correct in text, correct
+        text = text.replace(correct, wrong)
+    folder.mkdir()
+    path = folder / "my_naive_ddp.py"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.timeout(420)  # three launches; a loaded 2-core machine needs minutes
+def test_the_stretch_goal_checks_naive_ddp_from_its_own_file(tmp_path):
+    """--file: the solution's NaiveDDP copied into an otherwise empty file passes part 1's check; the same
+    file without the division by the world size fails it; the untouched stretch file gets one line."""
+    args = ["--impl", "naive", "--check-steps", "2", "--repeats", "0"]
+    copied = naive_ddp_in_an_empty_file(tmp_path / "copied")
+    result = run_torchrun(LAB6, ["--file", copied, *args], nproc=2, timeout_s=120)
+    assert result.ok, result.describe()
+    assert re.search(r"^  naive +max\|w - one process\| .* PASS$", result.stdout, re.MULTILINE), result.describe()
+    assert len(re.findall(r"^  naive .* PASS$", result.stdout, re.MULTILINE)) == 3  # the transformer, two small models
+
+    division = "            param.grad.div_(self.world_size)\n"
+    broken = naive_ddp_in_an_empty_file(tmp_path / "broken", (division, ""))
+    result = run_torchrun(LAB6, ["--file", broken, *args], nproc=2, timeout_s=120)
+    assert result.returncode == 1, result.describe()
+    assert re.search(r"^  naive +max\|w - one process\| .* FAIL$", result.stdout, re.MULTILINE), result.describe()
+    assert "lab6_ddp_from_scratch.py: error: the check FAILED" in result.stderr
+
+    # one process, plain python: the stretch file as shipped (a docstring) gets exactly one line, no traceback
+    untouched = subprocess.run([sys.executable, LAB6, "--file", "labs/naive_ddp_stretch.py", *args],
+                               capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert untouched.returncode == 1, untouched.stderr
+    assert untouched.stderr.strip().splitlines() == [
+        "lab6_ddp_from_scratch.py: error: labs/naive_ddp_stretch.py defines no NaiveDDP: write it there, "
+        "or pick another --impl (the stretch goal is --impl naive)"]
+
+
 @pytest.mark.timeout(180)
 def test_one_rank_passes_and_skips_the_control(tmp_path):
     """With one process the "no sync" control trains on the whole batch, as the reference does: it cannot
@@ -241,6 +287,7 @@ def test_a_sharded_optimizer_that_never_broadcasts_fails_the_zero_check(tmp_path
         (["--lr", "0"], "argument --lr: must be a positive number, got 0"),
         (["--json", str(REPO_ROOT / "labs")], "is a folder; give a file name"),
         (["--profile", str(LAB6)], "is a file; give a folder"),
+        (["--file", "nowhere.py"], "--file nowhere.py is not a file"),
     ],
 )  # fmt: skip
 def test_bad_flags_give_one_line(lab6, refused_flag_line, args, expected):
