@@ -13,7 +13,8 @@ learner's command would - exactly the case that once crashed lecture 4's script 
 The script prints one line per row - PASS or FAIL, wall time, the key figure (lab 1: bus bandwidth
 at the largest message; lab 2: checks passed; lab 3: held-out accuracy; lab 4: the solution's
 accuracy; lab 5: samples/s and the communication fraction, and the sweep's scaling efficiency;
-lab 6: every from-scratch wrapper's check and BucketedDDP's step time against torch DDP's; lab 7:
+lab 6: every from-scratch wrapper's check and BucketedDDP's step time against torch DDP's; lab 8: the
+check of DDP, the from-scratch FSDP and fully_shard, and FSDP's model state against DDP's; lab 7:
 accuracy after a checkpointed run and after a crash that torchrun restarted, and the Join scenario
 of the hang lab; lectures 4-6: what each script's report must show) - then `N passed, M failed`.
 Rows that need 2 ranks (min_ranks=2: the Join scenario, the 1,2 sweep) are skipped on a 1-GPU
@@ -93,6 +94,16 @@ def lab6_figure(out: Path) -> str:
     if failed:
         raise KeyFigureError(f"check failed for {', '.join(failed)}")
     return f"{len(records)}/{len(records)} impls match one process; bucketed/torch step time {records['bucketed']['vs_torch_ddp']:.2f}"
+
+
+def lab8_figure(out: Path) -> str:
+    """DDP, the from-scratch FSDP and fully_shard passed lab 8's check; FSDP's model state against DDP's."""
+    records = {record["impl"]: record for record in read_json(out / "lab8.json")}
+    failed = sorted(impl for impl, record in records.items() if not record["check_passed"])
+    if failed:
+        raise KeyFigureError(f"check failed for {', '.join(failed)}")
+    return (f"{len(records)}/{len(records)} impls match one process; model state vs DDP: fsdp {records['fsdp']['state_vs_ddp']:.2f}, "
+            f"fully_shard {records['fully_shard']['state_vs_ddp']:.2f}")
 
 
 def lab7_hangs_figure(out: Path) -> str:
@@ -211,6 +222,10 @@ LAB_RUNS = (
     LabRun("lab6", "labs/lab6_ddp_from_scratch.py",
            ("--module", "solutions", "--impl", "all", "--zero", "--check-steps", "3", "--warmup-steps", "1", "--steps", "2",
             "--repeats", "1", "--json", "{out}/lab6.json"), lab6_figure),
+    # Lab 8: torch DDP, the from-scratch FSDP and fully_shard (a DeviceMesh of every GPU) on NCCL.
+    LabRun("lab8", "labs/lab8_fsdp.py",
+           ("--module", "solutions", "--impl", "ddp", "--impl", "fsdp", "--impl", "fully_shard", "--check-steps", "2",
+            "--warmup-steps", "1", "--steps", "1", "--repeats", "1", "--json", "{out}/lab8.json"), lab8_figure),
     # Lab 7 refuses torchrun's shared agent store on every launch (its docstring), restarts or not.
     LabRun("lab7", "labs/lab7_fault_tolerance.py",
            ("--max-steps", "20", "--checkpoint-dir", "{out}/checkpoints", "--metrics-json", "{out}/lab7.json"), accuracy_figure("lab7.json"),

@@ -235,13 +235,18 @@ def run(args, ctx) -> tuple[list[dict], bool]:
         "batch_size_per_rank": args.batch_size, "check_steps": args.check_steps,
         **{k: v for k, v in checked[impl].items() if k != "verdict"}, "check_passed": checked[impl]["verdict"] == "PASS",
         **measured[impl],
-        "bytes_vs_formula": measured[impl]["bytes_per_step_measured"] / measured[impl]["bytes_per_step_predicted"],
+        "bytes_vs_formula": ratio(measured[impl]["bytes_per_step_measured"], measured[impl]["bytes_per_step_predicted"]),
         "state_vs_ddp": measured[impl]["model_state_bytes"]["total"] / ddp_total if ddp_total else None,
         "step_time_s": median.get(impl), "step_times_s": times.get(impl, []),
         "vs_fully_shard": lab6.median_ratio(times, impl, "fully_shard"),
     } for impl in args.impls]  # fmt: skip
     report(records, args)
     return records, passed
+
+
+def ratio(measured: float, predicted: float) -> float | None:
+    """measured / predicted; None on one rank, where the ring sends nothing (both are 0)."""
+    return measured / predicted if predicted else None
 
 
 def report(records: list[dict], args) -> None:

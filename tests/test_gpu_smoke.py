@@ -36,6 +36,9 @@ SAMPLES = {
     "lab6": ("lab6.json", [{"impl": impl, "check_passed": True, "vs_torch_ddp": ratio}
                            for impl, ratio in (("naive", 3.378), ("overlap", 1.989), ("bucketed", 0.893), ("torch", 1.0))],
              "4/4 impls match one process; bucketed/torch step time 0.89"),
+    "lab8": ("lab8.json", [{"impl": impl, "check_passed": True, "state_vs_ddp": ratio}
+                           for impl, ratio in (("ddp", 1.0), ("fsdp", 0.5043), ("fully_shard", 0.5001))],
+             "3/3 impls match one process; model state vs DDP: fsdp 0.50, fully_shard 0.50"),
     "lab7": ("lab7.json", {"attempt": 0, "backend": "nccl", "eval_accuracy": 0.7827298050139275, "steps": 20}, "held-out accuracy 78.3%"),
     "lab7_hangs_join": ("hangs.json", {"scenario": "uneven-join", "status": 0, "line": (
         "finished: steps per rank [2, 3]; identical weights on every rank: True; "
@@ -85,7 +88,7 @@ def test_every_lab_in_the_table_has_a_sample():
     assert cpu_labs == set(SAMPLES)
     assert {lab.script for lab in smoke.LAB_RUNS} >= {"labs/lab1_collectives.py", "labs/lab2_sampler.py", "labs/lab2_join.py",
                                                       "labs/lab3_ddp.py", "solutions/lab4_broken_ddp.py", "labs/lab5_scaling.py",
-                                                      "labs/lab6_ddp_from_scratch.py", "labs/lab7_fault_tolerance.py", "labs/lab7_hangs.py",
+                                                      "labs/lab6_ddp_from_scratch.py", "labs/lab7_fault_tolerance.py", "labs/lab7_hangs.py", "labs/lab8_fsdp.py",
                                                       "lectures/scripts/ddp_internals_demos.py", "lectures/scripts/perf_ddp_job.py",
                                                       "lectures/scripts/faults_demos.py"}
 
@@ -101,6 +104,20 @@ def test_a_wrapper_that_fails_lab6s_check_fails_the_lab(tmp_path):
     (tmp_path / "lab6.json").write_text(json.dumps(records))
     outcome = smoke.judge(LABS["lab6"], finished(), tmp_path)
     assert not outcome.passed and outcome.detail == "ran, but check failed for bucketed"
+
+
+def test_an_fsdp_that_fails_lab8s_check_fails_the_lab(tmp_path):
+    records = [{"impl": "ddp", "check_passed": True, "state_vs_ddp": 1.0}, {"impl": "fsdp", "check_passed": False, "state_vs_ddp": 0.5},
+               {"impl": "fully_shard", "check_passed": True, "state_vs_ddp": 0.5}]  # fmt: skip
+    (tmp_path / "lab8.json").write_text(json.dumps(records))
+    outcome = smoke.judge(LABS["lab8"], finished(), tmp_path)
+    assert not outcome.passed and outcome.detail == "ran, but check failed for fsdp"
+
+
+def test_lab8_runs_ddp_and_both_fsdps_on_every_gpu(tmp_path):
+    args = LABS["lab8"].command_args(tmp_path, "nccl")
+    assert [args[i + 1] for i, arg in enumerate(args) if arg == "--impl"] == ["ddp", "fsdp", "fully_shard"]
+    assert LABS["lab8"].ranks(8) == 8 and args[-2:] == ["--backend", "nccl"] and "solutions" in args
 
 
 def test_join_weights_that_differ_fail_the_hang_lab(tmp_path):
