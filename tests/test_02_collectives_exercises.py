@@ -3,10 +3,11 @@
 solutions/02_collectives_solutions.ipynb is run by `pytest --nbval` (its checks print "correct").
 This test proves that each exercise cell of the lecture is the solution cell with the block
 between "# BEGIN SOLUTION" and "# END SOLUTION" replaced by a placeholder, that the check cells
-are the same in both notebooks, and that the set-up cells the solutions copy are the lecture's.
-It also runs the cells in-process (no kernel, about a second): each solution passes its check, the
-unsolved exercise reports "not done yet", and each check rejects typical wrong answers - a check
-that cannot fail would prove nothing.
+are the same in both notebooks (one call of ddp_course.lecture02_checks with the learner's
+function), and that the set-up cells the solutions copy are the lecture's. It also runs the cells
+in-process (no kernel, about a second): each solution passes its check, the unsolved exercise
+reports "not done yet", and each check rejects typical wrong answers - a check that cannot fail
+would prove nothing - with the lecture's own cost model.
 """
 
 import contextlib
@@ -17,6 +18,7 @@ import nbformat
 import pytest
 import torch
 
+from ddp_course import lecture02_checks
 from ddp_course.launch import REPO_ROOT
 
 LECTURE = REPO_ROOT / "lectures" / "02_collectives.ipynb"
@@ -140,12 +142,30 @@ def wrong_answers(namespace) -> dict[int, dict]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("number", EXERCISES)
 def test_each_check_rejects_wrong_answers(number):
-    shared, check = shared_and_check(number)
-    [exercise] = cells_by_tag(LECTURE)[f"exercise-{number}"]
-    check_function = next(line.split("(")[0][4:] for line in check.splitlines() if line.startswith("def check_"))
-    do_not_run_yet = "def run_check(check, solution):\n    pass"  # define the check, run it below on each answer
-    namespace, _ = run_cells(*shared, do_not_run_yet, exercise, check)
+    shared, _ = shared_and_check(number)
+    namespace, _ = run_cells(*shared)
+    check = getattr(lecture02_checks, f"check_exercise_{number}")
     for mistake, answer in wrong_answers(namespace)[number].items():
         with pytest.raises(AssertionError), contextlib.redirect_stdout(io.StringIO()):
-            namespace[check_function](answer)
+            check(answer)
         print(f"exercise {number}: the check rejects '{mistake}'")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("number", EXERCISES)
+def test_each_check_cell_is_one_call_with_the_learners_function(number):
+    [check] = cells_by_tag(LECTURE)[f"check-{number}"]
+    [exercise] = cells_by_tag(LECTURE)[f"exercise-{number}"]
+    learners_function = next(line.split("(")[0][4:] for line in exercise.splitlines() if line.startswith("def "))
+    assert check.splitlines()[1:] == [f"check_exercise_{number}({learners_function})"]
+
+
+@pytest.mark.timeout(30)
+def test_the_checks_price_answers_with_the_lectures_own_cost_model():
+    shared, _ = shared_and_check(1)
+    namespace, _ = run_cells(*shared)
+    assert (lecture02_checks.ALPHA, lecture02_checks.BETA) == (namespace["ALPHA"], namespace["BETA"])
+    for name in ("ring_seconds", "tree_seconds"):
+        for n_bytes, world_size in [(1e3, 1), (1e6, 2), (25e6, 8), (1e9, 1024)]:
+            ours = getattr(lecture02_checks, name)(n_bytes, world_size, 5e-6, 1 / 25e9)
+            assert ours == namespace[name](n_bytes, world_size, 5e-6, 1 / 25e9), (name, n_bytes, world_size)

@@ -1,6 +1,6 @@
-"""What lecture 2 (exercise 2) says about DDP's gradient buckets holds for the installed torch.
+"""DDP's bucket rules, as the course states them, hold for the installed torch.
 
-The lecture says: DDP buckets at construction (in torch 2.14, with find_unused_parameters=False,
+Lecture 4 §2.3 is their home (lecture 2's exercise 2 and its solution link there); they say: DDP buckets at construction (in torch 2.14, with find_unused_parameters=False,
 the first iteration runs with all gradients in one bucket), then rebuilds the buckets once, after
 the first iteration, in the order gradients became ready; with bucket_cap_mb=None (the default)
 the first bucket closes once it reaches dist._DEFAULT_FIRST_BUCKET_BYTES (1 MiB) and the others
