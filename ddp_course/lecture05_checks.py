@@ -1,0 +1,119 @@
+"""Lecture 5's exercise checks: each is one call in the notebook, `check_exercise_1(hierarchical_phases)`.
+
+Each prints "exercise N: correct", "... not yet" with the first case that failed, or "... not solved
+yet" while the function still raises NotImplementedError. tests/test_lecture05_exercises.py shows
+that every check rejects plausible wrong answers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from ddp_course.calculators import BUCKET_BYTES, NVLINK, allreduce_seconds, gpt2_parameters, network_link
+from ddp_course.launch import REPO_ROOT
+
+LECTURE5_REFERENCE = REPO_ROOT / "solutions" / "lecture5_reference" / "lecture5_reference.json"
+
+
+def _verdict(number, name, check):
+    """Run check(); turn what it raised into the one-line verdict a learner reads."""
+    try:
+        extra = check()
+    except NotImplementedError:
+        print(f"exercise {number}: not solved yet - fill in {name} above")
+    except AssertionError as problem:
+        print(f"  {problem}\nexercise {number}: not yet")
+    else:
+        for line in extra:
+            print(f"  {line}")
+        print(f"exercise {number}: correct")
+
+
+def check_exercise_1(hierarchical_phases):
+    """Worked examples, then the three phases must add up to allreduce_seconds on 200 random set-ups."""
+
+    def check():
+        # Worked out by hand: (bytes, g, nodes, inside, between, buckets, expected seconds of the three phases).
+        cases = [(800e6, 8, 4, (0.0, 100e9), (0.0, 12.5e9), 1, (0.007, 0.012, 0.007)),  # 7/8 x 800 MB / 100 GB/s; 2 x 3/4 x 100 MB / 12.5 GB/s
+                 (80e6, 4, 2, (2e-6, 50e9), (1e-5, 10e9), 10, (0.00126, 0.0022, 0.00126)),  # 10 x 3 x 2 us + 1.2 ms; 10 x 2 x 10 us + 2 ms
+                 (80e6, 4, 1, (2e-6, 50e9), None, 10, (0.00126, 0.0, 0.00126))]  # one node: nothing crosses the network
+        for n_bytes, g, nodes, inside, between, buckets, expected in cases:
+            got = tuple(hierarchical_phases(n_bytes, g, nodes, inside, between, buckets))
+            assert len(got) == 3 and all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15) for a, b in zip(got, expected)), (
+                f"{n_bytes:g} bytes, {g} GPUs x {nodes} nodes, inside {inside}, between {between}, {buckets} buckets:"
+                f" expected {expected}, got {got}")
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(200):  # the three phases add up to section 2's allreduce_seconds
+            n_bytes, alpha_in, alpha_net, net_gbs = (torch.rand(4, generator=generator) + 0.01).tolist()
+            g, nodes, buckets = (int(v) for v in torch.randint(1, 17, (3,), generator=generator))
+            inside, between = (alpha_in * 1e-5, 200e9), (alpha_net * 1e-4, net_gbs * 50e9)
+            phases = hierarchical_phases(n_bytes * 1e9, g, nodes, inside, between, buckets)
+            total = allreduce_seconds(n_bytes * 1e9, g, nodes, inside, between, buckets)
+            assert math.isclose(sum(phases), total, rel_tol=1e-9, abs_tol=1e-15), (
+                f"{n_bytes * 1e9:g} bytes, {g} GPUs x {nodes} nodes, {buckets} buckets: phases add up to {sum(phases):g} s,"
+                f" allreduce_seconds says {total:g} s")
+        n_bytes = 4 * gpt2_parameters()
+        phases = hierarchical_phases(n_bytes, 8, 2, NVLINK, network_link("100 Gb/s per node", 8), math.ceil(n_bytes / BUCKET_BYTES))
+        return ["GPT-2 small, 2 nodes x 8, 100 Gb/s: reduce-scatter {:.2f} ms, across nodes {:.2f} ms, all-gather {:.2f} ms".format(
+            *(seconds * 1e3 for seconds in phases))]
+
+    _verdict(1, "hierarchical_phases", check)
+
+
+def check_exercise_2(largest_batch):
+    """Worked examples for 1 B parameters on an 80 GB H100, and more memory never gives a smaller batch."""
+    GB = 1e9
+
+    def check():
+        cases = [((80 * GB, 1e9, 0.1 * GB), {}, 600),  # 80 - 4 - 4 - 4 - 8 = 60 GB of activations
+                 ((80 * GB, 1e9, 0.1 * GB), {"bucket_view": True}, 640),  # no bucket copy
+                 ((80 * GB, 1e9, 0.1 * GB), {"optimizer": "momentum"}, 640),
+                 ((80 * GB, 1e9, 0.1 * GB), {"optimizer": "sgd", "bucket_view": True}, 720),
+                 ((80 * GB, 1e9, 0.1 * GB), {"zero1_ranks": 8}, 670),
+                 ((80 * GB, 1e9, 0.3 * GB), {}, 200),
+                 ((80 * GB, 1e9, 0.7 * GB), {}, 85),  # 60 / 0.7 = 85.7: whole samples only
+                 ((16 * GB, 1e9, 0.1 * GB), {}, 0)]  # the model's state alone does not fit
+        for arguments, options, expected in cases:
+            got = largest_batch(*arguments, **options)
+            assert got == expected, f"{arguments}, {options}: expected {expected}, got {got}"
+        for memory_gb in range(20, 200, 7):  # more memory never means a smaller batch
+            assert largest_batch((memory_gb + 7) * GB, 1e9, 0.1 * GB) >= largest_batch(memory_gb * GB, 1e9, 0.1 * GB), "not monotonic"
+        return [f"1 B parameters, Adam, 80 GB, ZeRO-1 over {ranks} rank(s): batch {largest_batch(80 * GB, 1e9, 0.1 * GB, zero1_ranks=ranks)}"
+                for ranks in (1, 8)]
+
+    _verdict(2, "largest_batch", check)
+
+
+def check_exercise_3(powersgd_elements):
+    """Hand cases, torch's own compress-or-not decision on 300 random shapes, and the bytes the
+    reference run's 2-rank job sent for the digits CNN."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    from ddp_course.models import DigitsCNN
+
+    shapes = [tuple(p.shape) for p in DigitsCNN().parameters()]
+    measured_bytes = json.loads(LECTURE5_REFERENCE.read_text())["comm_bound"]["hooks"]["powerSGD"]["bytes_per_step"]
+
+    def check():
+        assert powersgd_elements([(10,)], 4) == 10, "a bias vector is sent as it is"
+        assert powersgd_elements([(100, 100)], 2) == 400, "100 x 100 at rank 2: P and Q, 200 numbers each"
+        assert powersgd_elements([(4, 4)], 2) == 16, "4 x 4 at rank 2 would save less than half: sent as it is"
+        assert powersgd_elements([(64, 32, 3, 3)], 1) == 64 + 288, "a convolution is a 64 x 288 matrix"
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(300):  # torch's own test of what to compress, on random shapes
+            dims = torch.randint(1, 40, (int(torch.randint(1, 5, (1,), generator=generator)),), generator=generator).tolist()
+            rank, rate = int(torch.randint(1, 5, (1,), generator=generator)), float(torch.randint(1, 4, (1,), generator=generator))
+            n, m = dims[0], math.prod(dims[1:])
+            compress, uncompressed, compressed = _should_compress(n, m, min(n, m, rank), rate)
+            assert powersgd_elements([tuple(dims)], rank, rate) == (compressed if compress else uncompressed), f"shape {dims}, rank {rank}, rate {rate}"
+        assert 4 * powersgd_elements(shapes, 1) == measured_bytes, f"the digits CNN at rank 1: the job measured {measured_bytes:,} bytes per step"
+        lines = [f"the digits CNN at rank 1: {4 * powersgd_elements(shapes, 1):,} bytes per step, as the reference run's job measured"]
+        for rank in (1, 4, 16):
+            ratio = sum(math.prod(s) for s in shapes) / powersgd_elements(shapes, rank)
+            lines.append(f"digits CNN at rank {rank:>2}: {ratio:5.1f}x fewer numbers than the plain all-reduce")
+        return lines
+
+    _verdict(3, "powersgd_elements", check)
