@@ -4,6 +4,7 @@
     model_state_bytes(params, opt)      this rank's parameters, gradients and optimizer state, in bytes
     count_collectives(*modules)         a context manager recording every torch.distributed collective's payload
     predicted_bytes_per_step(...)       the bytes one rank sends per step under each stage (lecture 2's ring costs)
+    predicted_state_bytes(...)          the model state one rank keeps under each stage, with Adam in float32
 
 Bytes are counted from storages, not from shapes: two views of one buffer (DDP's gradient_as_bucket_view,
 tied embeddings) count once, a freed tensor (storage resized to 0, as FSDP does with full weights between
@@ -186,3 +187,23 @@ def predicted_bytes_per_step(stage: str, sharded_bytes: float, replicated_bytes:
     if stage == "zero1":
         return 3 * one_way * everything
     return 3 * one_way * sharded_bytes + 2 * one_way * replicated_bytes
+
+
+def predicted_state_bytes(stage: str, sharded_bytes: float, replicated_bytes: float, world_size: int) -> float:
+    """Bytes of model state one rank keeps with Adam, everything float32 (ZeRO paper's 16 bytes per parameter
+    without mixed precision): parameters 4, gradients 4, Adam's two moments 8 bytes per element.
+
+    sharded_bytes, replicated_bytes: float32 parameter bytes, as for predicted_bytes_per_step. Ignored
+    here: padding rows and Adam's step counters (a few bytes per tensor).
+      ddp    4 x everything                       (nothing sharded)
+      zero1  (2 + 2/N) x everything               (Adam's state sharded)
+      zero2  (1 + 3/N) x everything               (gradients too)
+      fsdp   4/N x sharded + 4 x replicated       (parameters too)
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {', '.join(STAGES)}, not {stage!r}")
+    n, everything = world_size, sharded_bytes + replicated_bytes
+    per_element = {"ddp": 4, "zero1": 2 + 2 / n, "zero2": 1 + 3 / n}
+    if stage in per_element:
+        return per_element[stage] * everything
+    return 4 / n * sharded_bytes + 4 * replicated_bytes

@@ -152,3 +152,13 @@ def test_predicted_bytes_per_step(n):
 def test_predicted_bytes_per_step_refuses_an_unknown_stage():
     with pytest.raises(ValueError, match="stage must be one of"):
         sharding.predicted_bytes_per_step("zero3", 1, 0, 2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_predicted_state_bytes_per_stage(n):
+    """Parameters 4, gradients 4, Adam 8 bytes per element; each stage shards one more of them."""
+    assert sharding.predicted_state_bytes("ddp", 400, 0, n) == 1600
+    assert sharding.predicted_state_bytes("zero1", 400, 0, n) == pytest.approx(800 + 800 / n)
+    assert sharding.predicted_state_bytes("zero2", 400, 0, n) == pytest.approx(400 + 1200 / n)
+    assert sharding.predicted_state_bytes("fsdp", 400, 40, n) == pytest.approx(1600 / n + 160)
+    assert sharding.predicted_state_bytes("fsdp", 400, 0, 1) == sharding.predicted_state_bytes("ddp", 400, 0, 1)
