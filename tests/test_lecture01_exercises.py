@@ -1,58 +1,112 @@
-"""Lecture 01's exercise checks accept the solutions and reject plausible wrong answers.
+"""Lecture 1's exercise checks (and the optional notebook's) accept the solutions and reject plausible wrong answers.
 
-The solutions notebook's code cells run once in one namespace (module fixture, a few seconds). Each
-test swaps one function for a wrong answer a learner might write, runs the exercise's own check and
-expects "not yet"; the lecture's stubs must make the checks say "not solved yet". A check that
-cannot fail, or a solution that stops passing, turns a test red.
+The checks live in ddp_course/lecture01_checks.py, so a notebook's check cell is one call such as
+`check_exercise_1(rank_token_loss)`. Here each check is called with the solution (taken from the
+solutions notebook), with the lecture's untouched stub, and with wrong answers a learner might
+write: "correct", "not solved yet" and "not yet" respectively. A check that cannot fail, or a
+solution that stops passing, turns a test red. The optional notebook's exercise, its solution and
+their shared cells are kept in step here (tests/test_exercises_in_step.py does it for lecture 1).
 """
 
+import contextlib
+import io
+import re
+import threading
+
+import nbformat
 import pytest
 import torch
 import torch.nn.functional as F
 
+from ddp_course import lecture01_checks as checks
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import not_solved_verdicts, run_all_cells, run_check, stub_verdicts
+from ddp_course.notebooks import cells_titled, without_solution
 
 LECTURE = REPO_ROOT / "lectures" / "01_data_parallelism.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "01_data_parallelism_solutions.ipynb"
+OPTIONAL = REPO_ROOT / "lectures" / "optional_beyond_data_parallelism.ipynb"
+OPTIONAL_SOLUTIONS_PATH = "solutions/optional_beyond_data_parallelism_solutions.ipynb"
+OPTIONAL_SOLUTIONS = REPO_ROOT / OPTIONAL_SOLUTIONS_PATH
 
 
-@pytest.fixture(scope="module")
-def solved():
-    """The solutions notebook's namespace after running every cell, and each cell's output."""
-    return run_all_cells(SOLUTIONS)
+def printed_by(function, *args) -> str:
+    """What a check printed; its verdict is the last line."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        function(*args)
+    return out.getvalue()
 
+
+def verdict(function, *args) -> str:
+    return printed_by(function, *args).strip().splitlines()[-1]
+
+
+def exercise_function(path, number, name):
+    """Run the notebook's "# Exercise N: ..." cell in a namespace with the names it may use; return `name`."""
+    [source] = [source for title, (source, _) in cells_titled(path, "# Exercise ").items() if title.startswith(f"# Exercise {number}:")]
+    namespace = {"torch": torch, "F": F}
+    exec(compile(source, str(path), "exec"), namespace)
+    return namespace[name]
+
+
+def cells_tagged(path, tag) -> list[str]:
+    return [cell.source for cell in nbformat.read(path, as_version=4).cells if tag in cell.metadata.get("tags", [])]
 
 
 @pytest.mark.timeout(60)
-def test_the_solutions_pass_their_checks(solved):
-    _, outputs = solved
-    for number in (1, 2, 3):
-        assert f"exercise {number}: correct" in outputs[f"# Check exercise {number} (run after the cell above)"]
-    assert "all-reduces in the backward pass: 1, of shapes [(3, 8)]" in outputs["# Check exercise 3 (run after the cell above)"]
+def test_the_solutions_pass_their_checks():
+    assert verdict(checks.check_exercise_1, exercise_function(SOLUTIONS, 1, "rank_token_loss")) == "exercise 1: correct"
+    assert verdict(checks.check_exercise_2, exercise_function(SOLUTIONS, 2, "accumulate_gradients")) == "exercise 2: correct"
+    printed = printed_by(checks.check_tensor_parallel_backward, exercise_function(OPTIONAL_SOLUTIONS, 1, "rank_backward"))
+    assert "all-reduces in the backward pass: 1, of shapes [(3, 8)]" in printed
+    assert printed.strip().endswith("exercise 1: correct")
 
 
 @pytest.mark.timeout(60)
-def test_the_lecture_stubs_fail_the_same_checks(solved):
-    namespace, _ = solved
-    functions = {1: "rank_token_loss", 2: "accumulate_gradients", 3: "rank_backward"}
-    assert stub_verdicts(namespace, LECTURE, functions) == not_solved_verdicts(functions)
+def test_the_stubs_say_not_solved_yet():
+    assert verdict(checks.check_exercise_1, exercise_function(LECTURE, 1, "rank_token_loss")) == (
+        "exercise 1: not solved yet - fill in rank_token_loss above")
+    assert verdict(checks.check_exercise_2, exercise_function(LECTURE, 2, "accumulate_gradients")) == (
+        "exercise 2: not solved yet - fill in accumulate_gradients above")
+    assert verdict(checks.check_tensor_parallel_backward, exercise_function(OPTIONAL, 1, "rank_backward")) == (
+        "exercise 1: not solved yet - fill in rank_backward above")
 
 
 @pytest.mark.timeout(60)
-def test_exercises_1_and_2_reject_the_classic_mistakes(solved):
-    namespace, _ = solved
+def test_check_cells_are_one_call():
+    """A check cell is the title line and one call of a ddp_course.lecture01_checks function."""
+    expected = {
+        LECTURE: {1: "check_exercise_1(rank_token_loss)", 2: "check_exercise_2(accumulate_gradients)"},
+        OPTIONAL: {1: "check_tensor_parallel_backward(rank_backward)"},
+    }
+    for path, calls in expected.items():
+        found = {int(re.match(r"# Check exercise (\d+)", title).group(1)): source.splitlines()[1:]
+                 for title, (source, _) in cells_titled(path, "# Check exercise ").items()}  # fmt: skip
+        assert found == {number: [call] for number, call in calls.items()}, path.name
 
+
+@pytest.mark.timeout(60)
+def test_exercises_1_and_2_reject_the_classic_mistakes():
     def mean_per_rank(token_losses, mask, global_real_tokens, world_size):
         return (token_losses * mask).sum() / mask.sum()  # weights a rank's tokens by its own count
+
+    def forgets_world_size(token_losses, mask, global_real_tokens, world_size):
+        return (token_losses * mask).sum() / global_real_tokens  # DDP's mean then divides by N once more
 
     def sum_of_means(model, micro_batches):
         model.zero_grad()
         for images, labels in micro_batches:
             F.cross_entropy(model(images), labels).backward()  # not divided by the number of micro-batches
 
-    assert "exercise 1: not yet" in run_check(namespace, 1, rank_token_loss=mean_per_rank)
-    assert "exercise 2: not yet" in run_check(namespace, 2, accumulate_gradients=sum_of_means)
+    def last_micro_batch_only(model, micro_batches):
+        for images, labels in micro_batches:
+            model.zero_grad()  # each backward throws the previous micro-batch away
+            F.cross_entropy(model(images), labels).backward()
+
+    for wrong in (mean_per_rank, forgets_world_size):
+        assert verdict(checks.check_exercise_1, wrong) == "exercise 1: not yet", wrong.__name__
+    for wrong in (sum_of_means, last_micro_batch_only):
+        assert verdict(checks.check_exercise_2, wrong) == "exercise 2: not yet", wrong.__name__
 
 
 def local_gradients(x, w1_r, w2_r, grad_y):
@@ -63,20 +117,16 @@ def local_gradients(x, w1_r, w2_r, grad_y):
 
 
 @pytest.mark.timeout(60)
-def test_exercise_3_accepts_autograd_inside_a_rank(solved):
-    namespace, _ = solved
-
+def test_tensor_parallel_check_accepts_autograd_inside_a_rank():
     def with_autograd(x, w1_r, w2_r, grad_y, all_reduce):
         grad_x, grad_w1_r, grad_w2_r = local_gradients(x, w1_r, w2_r, grad_y)
         return all_reduce(grad_x), grad_w1_r, grad_w2_r
 
-    assert "exercise 3: correct" in run_check(namespace, 3, rank_backward=with_autograd)
+    assert verdict(checks.check_tensor_parallel_backward, with_autograd) == "exercise 1: correct"
 
 
 @pytest.mark.timeout(60)
-def test_exercise_3_rejects_misplaced_or_extra_all_reduces(solved):
-    namespace, _ = solved
-
+def test_tensor_parallel_check_rejects_misplaced_or_extra_all_reduces():
     def no_communication(x, w1_r, w2_r, grad_y, all_reduce):
         return local_gradients(x, w1_r, w2_r, grad_y)  # grad_x misses the other ranks' columns
 
@@ -87,23 +137,60 @@ def test_exercise_3_rejects_misplaced_or_extra_all_reduces(solved):
         grad_x, grad_w1_r, grad_w2_r = local_gradients(x, w1_r, w2_r, grad_y / 4)  # as if y were a mean
         return all_reduce(grad_x), grad_w1_r, grad_w2_r
 
-    def only_rank_0_reduces(x, w1_r, w2_r, grad_y, all_reduce):
-        grad_x, grad_w1_r, grad_w2_r = local_gradients(x, w1_r, w2_r, grad_y)
-        if torch.equal(w1_r, namespace["_first_shard"]):
-            grad_x = all_reduce(grad_x)  # the other ranks never join: they must not hang the check
-        return grad_x, grad_w1_r, grad_w2_r
+    def two_all_reduces(x, w1_r, w2_r, grad_y, all_reduce):
+        grad_x, grad_w1_r, grad_w2_r = local_gradients(x, all_reduce(w1_r) * 0 + w1_r, w2_r, grad_y)  # a wasted one
+        return all_reduce(grad_x), grad_w1_r, grad_w2_r
 
-    for wrong in (no_communication, all_reduce_everything, average_grad_y):
-        assert "exercise 3: not yet" in run_check(namespace, 3, rank_backward=wrong), wrong.__name__
+    for wrong in (no_communication, all_reduce_everything, average_grad_y, two_all_reduces):
+        assert verdict(checks.check_tensor_parallel_backward, wrong) == "exercise 1: not yet", wrong.__name__
 
-    # A collective that only one rank calls is an error after the timeout, not a hang.
+
+@pytest.mark.timeout(60)
+def test_a_collective_only_one_rank_calls_is_an_error_after_the_timeout_not_a_hang():
     torch.manual_seed(0)
     x = torch.randn(3, 8, dtype=torch.float64)
-    shards = list(torch.randn(8, 32, dtype=torch.float64).chunk(4, dim=1))
-    namespace["_first_shard"] = shards[0]
+    w1 = list(torch.randn(8, 32, dtype=torch.float64).chunk(4, dim=1))
     w2 = list(torch.randn(32, 8, dtype=torch.float64).chunk(4, dim=0))
-    args = [(x, w1_r, w2_r, torch.randn(3, 8, dtype=torch.float64)) for w1_r, w2_r in zip(shards, w2)]
-    import threading
+    args = [(x, w1_r, w2_r, torch.randn(3, 8, dtype=torch.float64)) for w1_r, w2_r in zip(w1, w2)]
+
+    def only_rank_0_reduces(x, w1_r, w2_r, grad_y, all_reduce):
+        grad_x, grad_w1_r, grad_w2_r = local_gradients(x, w1_r, w2_r, grad_y)
+        if w1_r is w1[0]:
+            grad_x = all_reduce(grad_x)  # the other ranks never join
+        return grad_x, grad_w1_r, grad_w2_r
 
     with pytest.raises(threading.BrokenBarrierError):
-        namespace["run_virtual_ranks"](only_rank_0_reduces, args, timeout_s=1)
+        checks.run_virtual_ranks(only_rank_0_reduces, args, timeout_s=1)
+
+
+@pytest.mark.timeout(30)
+def test_the_optional_exercise_is_its_solution_with_the_marked_part_removed():
+    solutions, exercises = cells_titled(OPTIONAL_SOLUTIONS, "# Exercise "), cells_titled(OPTIONAL, "# Exercise ")
+    assert list(solutions) == list(exercises) == ["# Exercise 1: the backward pass of a tensor-parallel MLP"]
+    for title, (solution, _) in solutions.items():
+        assert "# SOLUTION START" in solution and "# SOLUTION END" in solution
+        assert exercises[title][0] == without_solution(solution, 1, OPTIONAL_SOLUTIONS_PATH)
+    solution_checks, lecture_checks = cells_titled(OPTIONAL_SOLUTIONS, "# Check exercise "), cells_titled(OPTIONAL, "# Check exercise ")
+    assert {t: s for t, (s, _) in solution_checks.items()} == {t: s for t, (s, _) in lecture_checks.items()}
+    # the stored verdicts: solved in the solutions, open in the notebook
+    assert [out.strip().splitlines()[-1] for _, out in solution_checks.values()] == ["exercise 1: correct"]
+    assert [out.strip().splitlines()[-1] for _, out in lecture_checks.values()] == [
+        "exercise 1: not solved yet - fill in rank_backward above"]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("notebook, solutions", [(LECTURE, SOLUTIONS), (OPTIONAL, OPTIONAL_SOLUTIONS)], ids=["lecture01", "optional"])
+def test_solutions_copy_the_set_up_cells(notebook, solutions):
+    """The solutions notebook runs the notebook's own set-up cells (imports), not a drifting copy."""
+    shared = cells_tagged(solutions, "shared")
+    assert shared and set(shared) <= set(cells_tagged(notebook, "shared"))
+
+
+@pytest.mark.timeout(30)
+def test_the_optional_notebook_opens_and_closes_on_the_route():
+    cells = nbformat.read(OPTIONAL, as_version=4).cells
+    markdown = [cell.source for cell in cells if cell.cell_type == "markdown"]
+    assert "**Before:** lecture 1 (optional reading, any time after it)." in markdown[0].splitlines()
+    assert markdown[-1].strip().splitlines()[-1] == "**Next:** back to the route where you left it."
+    lecture_text = "\n".join(cell.source for cell in nbformat.read(LECTURE, as_version=4).cells)
+    assert "(optional_beyond_data_parallelism.ipynb)" in lecture_text  # lecture 1 links to it
