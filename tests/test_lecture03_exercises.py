@@ -1,19 +1,23 @@
 """Lecture 03's exercise checks accept the solutions and reject plausible wrong answers.
 
 The solutions notebook's code cells run once in one namespace (module fixture, a few seconds). Each
-test then swaps one function or class for a wrong answer a learner might write, runs the exercise's
-own check, and expects "not yet"; the lecture's stub must make the check say "not solved yet". So a
-check that cannot fail, or a solution that no longer passes, turns a test red.
+test then hands a wrong answer a learner might write to the exercise's check
+(ddp_course.lecture03_checks.check_exercise_N, which the notebooks call in one line) and expects
+"not yet"; the lecture's stub must make the check say "not solved yet". So a check that cannot fail,
+or a solution that no longer passes, turns a test red.
 """
 
+import contextlib
+import io
 import math
 
 import pytest
 import torch
 from torch.utils.data import DistributedSampler, Sampler
 
+from ddp_course import lecture03_checks
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import check_verdict, not_solved_verdicts, run_all_cells, stub_verdicts
+from ddp_course.notebooks import cells_titled, not_solved_verdicts, run_all_cells, run_source
 
 LECTURE = REPO_ROOT / "lectures" / "03_samplers.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "03_samplers_solutions.ipynb"
@@ -25,6 +29,15 @@ def solved():
     return run_all_cells(SOLUTIONS)
 
 
+def check_verdict(number: int, answer) -> str:
+    """The last line lecture03_checks.check_exercise_<number>(answer) prints."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        getattr(lecture03_checks, f"check_exercise_{number}")(answer)
+    return printed.getvalue().strip().splitlines()[-1]
+
+
+FUNCTIONS = {1: "rank_eval_sums", 2: "resume_shard", 3: "BlockDistributedSampler"}
 
 @pytest.mark.timeout(120)
 def test_the_solutions_pass_their_checks(solved):
@@ -35,9 +48,20 @@ def test_the_solutions_pass_their_checks(solved):
 
 @pytest.mark.timeout(120)
 def test_the_lecture_stubs_fail_the_same_checks(solved):
-    namespace, _ = solved
-    functions = {1: "rank_eval_sums", 2: "resume_shard", 3: "BlockDistributedSampler"}
-    assert stub_verdicts(namespace, LECTURE, functions) == not_solved_verdicts(functions)
+    namespace = dict(solved[0])  # a copy: the stubs must not replace the solutions other tests use
+    verdicts = {}
+    for title, (stub, _) in cells_titled(LECTURE, "# Exercise ").items():
+        number = int(title.split()[2].rstrip(":"))
+        run_source(stub, namespace)
+        verdicts[number] = check_verdict(number, namespace[FUNCTIONS[number]])
+    assert verdicts == not_solved_verdicts(FUNCTIONS)
+
+
+@pytest.mark.timeout(30)
+def test_each_check_cell_is_one_call_with_the_learners_answer():
+    for title, (source, _) in cells_titled(LECTURE, "# Check exercise ").items():
+        number = int(title.split()[3])
+        assert source.splitlines()[1:] == [f"check_exercise_{number}({FUNCTIONS[number]})"], title
 
 
 @pytest.mark.timeout(120)
@@ -67,8 +91,8 @@ def test_exercise_1_rejects_padding_and_means_of_batch_means(solved):
         sums[2] = sum(batch_means) / max(len(batch_means), 1) * sums[1]  # ... and the loss from batch means
         return sums
 
-    assert check_verdict(namespace, 1, rank_eval_sums=counts_the_padding) == "exercise 1: not yet"
-    assert check_verdict(namespace, 1, rank_eval_sums=averages_batch_means) == "exercise 1: not yet"
+    assert check_verdict(1, counts_the_padding) == "exercise 1: not yet"
+    assert check_verdict(1, averages_batch_means) == "exercise 1: not yet"
 
 
 @pytest.mark.timeout(120)
@@ -88,8 +112,8 @@ def test_exercise_2_rejects_the_same_world_size_answer_and_blocks(solved):
         size = math.ceil(len(rest) / new_world_size)
         return rest[new_rank * size:(new_rank + 1) * size]
 
-    assert check_verdict(namespace, 2, resume_shard=slice_a_new_sampler) == "exercise 2: not yet"
-    assert check_verdict(namespace, 2, resume_shard=contiguous_pieces) == "exercise 2: not yet"
+    assert check_verdict(2, slice_a_new_sampler) == "exercise 2: not yet"
+    assert check_verdict(2, contiguous_pieces) == "exercise 2: not yet"
 
 
 @pytest.mark.timeout(120)
@@ -125,4 +149,4 @@ def test_exercise_3_rejects_scattered_reads_uneven_shards_and_global_randomness(
             return iter(order[self.rank * len(self):(self.rank + 1) * len(self)])
 
     for wrong in (Strided, WholeFilesRoundRobin, GlobalRandomState):
-        assert check_verdict(namespace, 3, BlockDistributedSampler=wrong) == "exercise 3: not yet", wrong.__name__
+        assert check_verdict(3, wrong) == "exercise 3: not yet", wrong.__name__
