@@ -2,8 +2,8 @@
 
 The solutions notebook's code cells run once in one namespace (module fixture, a few seconds). Each
 test then swaps one function for a wrong answer a learner might write, runs the exercise's own check
-(check_exercise_N), and expects "not yet"; the lecture's stub must make the check say "not solved
-yet". So a check that cannot fail, or a solution that no longer passes, turns a test red.
+cell (one call, `check_exercise_N(function)`, from ddp_course/lecture05_checks.py), and expects "not
+yet"; the lecture's stub must make the check say "not solved yet". So a check that cannot fail, or a solution that no longer passes, turns a test red.
 tests/test_exercises_in_step.py keeps the exercise and check cells in step with the solutions'; the
 first test here keeps the solutions' copies of the lecture's set-up cells identical. The last one
 holds the lecture's scaling prose (sections 2-3) against its own model's numbers.
@@ -15,7 +15,7 @@ import nbformat
 import pytest
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import check_verdict, not_solved_verdicts, run_all_cells, run_source, stub_verdicts
+from ddp_course.notebooks import cells_titled, not_solved_verdicts, replaced, run_all_cells, run_source
 
 LECTURE = REPO_ROOT / "lectures" / "05_scaling_performance.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "05_scaling_performance_solutions.ipynb"
@@ -27,7 +27,33 @@ def test_solutions_copy_the_lecture_set_up_cells():
     def shared(path):
         return [cell.source for cell in nbformat.read(path, as_version=4).cells if "shared" in cell.metadata.get("tags", [])]
 
-    assert shared(SOLUTIONS) and shared(SOLUTIONS) == shared(LECTURE)
+    assert shared(SOLUTIONS) and set(shared(SOLUTIONS)) <= set(shared(LECTURE))
+
+
+@pytest.mark.timeout(30)
+def test_each_check_is_one_call():
+    for number, name in FUNCTIONS.items():
+        assert CHECKS[number].splitlines()[1:] == [f"check_exercise_{number}({name})"]
+
+
+CHECKS = {int(title.split()[3]): source for title, (source, _) in cells_titled(SOLUTIONS, "# Check exercise ").items()}
+
+
+def check_verdict(namespace, number, **replacements):
+    """Run exercise number's check cell, as the learner does, with some names replaced; its last line."""
+    with replaced(namespace, **replacements):
+        return run_source(CHECKS[number], namespace).strip().splitlines()[-1]
+
+
+def stub_verdicts(namespace):
+    """{number: verdict} of each check after running the lecture's exercise stub (the solutions' function restored)."""
+    verdicts = {}
+    with replaced(namespace, **{name: namespace[name] for name in FUNCTIONS.values()}):
+        for title, (stub, _) in cells_titled(LECTURE, "# Exercise ").items():
+            number = int(title.split()[2].rstrip(":"))
+            run_source(stub, namespace)
+            verdicts[number] = check_verdict(namespace, number)
+    return verdicts
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +72,7 @@ def test_the_solutions_pass_their_checks(solved):
 @pytest.mark.timeout(120)
 def test_the_lecture_stubs_fail_the_same_checks(solved):
     namespace, _ = solved
-    assert stub_verdicts(namespace, LECTURE, FUNCTIONS) == not_solved_verdicts(FUNCTIONS)
+    assert stub_verdicts(namespace) == not_solved_verdicts(FUNCTIONS)
 
 
 def wrong_phases(shard=True, reduce_scatter_share=1, latency_per_bucket=True, network_link=True, all_gather=True):
@@ -127,9 +153,11 @@ def test_scaling_prose_agrees_with_the_lectures_own_model(solved):
     prose = " ".join(cell.source for cell in cells if cell.cell_type == "markdown")
     assert "exactly Amdahl" not in prose and "levels off" not in prose  # the refuted claims
     assert "$o = 0$" in prose and "$\\log N$ for a tree" in prose
+    workloads = [cell.source for cell in cells if cell.source.startswith("# The assumptions")]
     scaling = [cell.source for cell in cells if cell.source.startswith("def gradient_allreduce_seconds")]
-    assert len(scaling) == 1, "the strong- and weak-scaling cell of section 3"
+    assert len(workloads) == 1 and len(scaling) == 1, "section 3's workloads cell and its strong- and weak-scaling cell"
     namespace = dict(solved[0])
+    run_source(workloads[0], namespace)
     run_source(scaling[0], namespace)
     counts, no_overlap, overlap = namespace["gpu_counts"], namespace["speedups"][0.0], namespace["speedups"][1.0]
     peak = overlap.index(max(overlap))
