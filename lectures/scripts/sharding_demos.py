@@ -197,8 +197,9 @@ def memory_and_bytes(stage: str, group, device: torch.device, **fsdp_options) ->
         step(*local_batch(1, rank, device))
     held = model_state_bytes(parameters, optimizer)
     facts = {"held": held, "calls": dict(sorted(counter.bytes_by_kind().items())), "wire": counter.wire_bytes_per_rank(world)}
+    weights = torch.cat([full(p).detach().cpu().flatten() for p in model.parameters()])  # to compare with DDP's
     del model, step, parameters, optimizer
-    return facts
+    return facts, weights
 
 
 def trained_weights(stage: str, group, device, steps: int = 3) -> tuple[dict, float, float]:
@@ -297,8 +298,6 @@ def checkpoint_demo(world, pair, rank: int, device, directory: Path) -> dict:
 
 def run(args) -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if world_size != 4:
-        raise SystemExit("sharding_demos.py: error: run it on 4 ranks (--nproc_per_node=4); the 2-rank numbers use ranks 0-1")
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.backend == "nccl" else torch.device("cpu")
     world = dist.group.WORLD
     pair = dist.new_group([0, 1])  # every rank creates every group, in the same order
@@ -308,7 +307,14 @@ def run(args) -> dict:
     report["memory"] = {}
     for n, group in ((2, pair), (4, world)):
         for stage in ("ddp", "zero1", "zero2", "fsdp"):
-            facts = memory_and_bytes(stage, group, device) if rank < n else None
+            facts = None
+            if rank < n:
+                facts, weights = memory_and_bytes(stage, group, device)
+                if stage == "ddp":
+                    ddp_weights = weights
+                # Adam's first steps are about lr * sign(gradient): a stage that forgot an all-gather or
+                # averaged the wrong shard is off by ~lr; float32 reduction order moves a weight far less
+                facts["max_difference_from_ddp"] = (weights - ddp_weights).abs().max().item()
             gathered = [None] * world_size
             dist.all_gather_object(gathered, facts, group=world)
             report["memory"][f"{stage}/{n}"] = gathered[:n]
@@ -317,7 +323,7 @@ def run(args) -> dict:
 
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for label, options in (("fsdp_bf16/4", {"mp_policy": bf16}), ("fsdp_keep/4", {"reshard_after_forward": False})):
-        facts = memory_and_bytes("fsdp", world, device, **options)
+        facts, _ = memory_and_bytes("fsdp", world, device, **options)
         gathered = [None] * world_size
         dist.all_gather_object(gathered, facts, group=world)
         report["memory"][label] = gathered
@@ -351,6 +357,11 @@ def main() -> None:
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on every collective")
     args = parser.parse_args()
+    if os.environ.get("WORLD_SIZE") != "4":  # every rank sees the same; rank 0 says it, once, before any group exists
+        if os.environ.get("RANK", "0") == "0":
+            print("sharding_demos.py: error: run it under torchrun on 4 ranks (--nproc_per_node=4); "
+                  "the 2-rank numbers use ranks 0-1", file=sys.stderr, flush=True)
+        return 2
     started = time.perf_counter()
     if args.backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
