@@ -166,3 +166,37 @@ def test_the_demo_script_starts_gloo_even_where_a_gpu_is_visible(monkeypatch, tm
         demos.main()
     assert requested == ["gloo"]
     assert "gloo" in demos.__doc__ and "GPU machine" in demos.__doc__
+
+
+LECTURE = REPO_ROOT / "lectures" / "04_ddp_internals.ipynb"
+
+
+@pytest.mark.timeout(30)
+def test_every_fact_cell_is_preceded_by_the_demo_that_produced_it():
+    """Code behind every fact: a cell reading report["X"] (a demo's facts) follows a cell printing demo_X's source."""
+    import re
+
+    import nbformat
+
+    code = [cell.source for cell in nbformat.read(LECTURE, as_version=4).cells if cell.cell_type == "code"]
+    demos = {node for node in re.findall(r"^def (demo_\w+)", (SCRIPTS / "ddp_internals_demos.py").read_text(), re.MULTILINE)}
+    first_read = {}  # each demo's facts, where the lecture first prints them
+    for index, cell in enumerate(code):
+        for key in re.findall(r'report\["(\w+)"\]', cell):
+            first_read.setdefault(key, index)
+    for key, index in first_read.items():
+        assert f"demo_{key}" in demos, key
+        assert f'source_of("ddp_internals_demos.py", "demo_{key}")' in code[index - 1], f"report[{key!r}] is read without its demo's source"
+    facts_read = len(first_read)
+    traces = next(cell for cell in code if "profiling.read_traces" in cell)
+    assert 'source_of("ddp_internals_demos.py", "demo_overlap_traces")' in code[code.index(traces) - 1]
+    assert facts_read >= 14
+
+
+def test_the_overlap_table_has_one_row_per_run_and_shows_disagreement():
+    from ddp_course.lecture04_checks import overlap_table
+
+    row = {"all_reduces": 6, "launched_before_compute_end": 5, "started_before_backward_end": 6, "overlapped": True}
+    table = overlap_table({"builtin": [row, dict(row)], "blocking": [{**row, "overlapped": False}, row]}).splitlines()
+    assert len(table) == 4 and table[2].split("|")[-1].strip() == "True"
+    assert table[3].split("|")[-1].strip() == "[False, True]"  # ranks or steps that differ are not hidden

@@ -1,25 +1,57 @@
 """Lecture 04's exercise checks accept the solutions and reject the stubs and plausible wrong answers.
 
 The solutions notebook runs once in this process (module fixture; its checks run real DDP in a
-one-process gloo group, a few seconds). Each test swaps in a wrong answer a learner might write,
-runs the exercise's own check and expects "not yet"; the lecture's stubs must make the checks say
-"not solved yet".
+one-process gloo group, a few seconds). A check is one call, `check_exercise_N(answer)`
+(ddp_course/lecture04_checks.py); each test passes it a wrong answer a learner might write and
+expects "not yet"; the lecture's stubs must make the checks say "not solved yet". The solutions
+notebook opens with the lecture's exercise set-up cell, copied.
 """
 
+from datetime import timedelta
+
+import nbformat
 import pytest
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import check_verdict, not_solved_verdicts, run_all_cells, run_check, stub_verdicts
+from ddp_course.notebooks import cells_titled, not_solved_verdicts, run_all_cells, run_source
 
 LECTURE = REPO_ROOT / "lectures" / "04_ddp_internals.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "04_ddp_internals_solutions.ipynb"
-FUNCTIONS = {1: "launch_sequence", 2: "bf16_mean_hook"}
+FUNCTIONS = {1: "launch_sequence", 2: "bf16_mean_hook", 3: "init_arguments"}
 
 
 @pytest.fixture(scope="module")
 def solved():
     return run_all_cells(SOLUTIONS)
 
+
+def run_check(namespace, number, answer):
+    """Everything check_exercise_<number>(answer) prints; its verdict is the last line."""
+    return run_source(f"check_exercise_{number}(answer)", {**namespace, "answer": answer})
+
+
+def check_verdict(namespace, number, answer):
+    return run_check(namespace, number, answer).strip().splitlines()[-1]
+
+
+def stub_verdicts(namespace):
+    """{number: verdict} of each check on the lecture's untouched exercise stub."""
+    verdicts = {}
+    for title, (stub, _) in cells_titled(LECTURE, "# Exercise ").items():
+        number = int(title.split()[2].rstrip(":"))
+        scratch = dict(namespace)
+        run_source(stub, scratch)
+        verdicts[number] = check_verdict(scratch, number, scratch[FUNCTIONS[number]])
+    return verdicts
+
+
+@pytest.mark.timeout(30)
+def test_the_solutions_copy_the_lecture_set_up_cell():
+    def shared(path):
+        return [cell.source for cell in nbformat.read(path, as_version=4).cells if "shared" in cell.metadata.get("tags", [])]
+
+    assert shared(SOLUTIONS) and shared(SOLUTIONS) == shared(LECTURE)
+    assert nbformat.read(SOLUTIONS, as_version=4).cells[1].source == shared(LECTURE)[0]  # the first code cell
 
 
 @pytest.mark.timeout(180)
@@ -32,7 +64,7 @@ def test_the_solutions_pass(solved):
 @pytest.mark.timeout(180)
 def test_the_lecture_stubs_fail_the_same_checks(solved):
     namespace, _ = solved
-    assert stub_verdicts(namespace, LECTURE, FUNCTIONS) == not_solved_verdicts(FUNCTIONS)
+    assert stub_verdicts(namespace) == not_solved_verdicts(FUNCTIONS)
 
 
 @pytest.mark.timeout(180)
@@ -63,7 +95,7 @@ def test_exercise_1_rejects_launching_out_of_order_or_too_late(solved):
         return events + [("launch", i) for i in range(launched, len(buckets))]
 
     for wrong in (launch_when_ready, launch_after_backward, launch_on_first_gradient):
-        assert check_verdict(namespace, 1, launch_sequence=wrong) == "exercise 1: not yet", wrong.__name__
+        assert check_verdict(namespace, 1, wrong) == "exercise 1: not yet", wrong.__name__
 
 
 @pytest.mark.timeout(180)
@@ -101,7 +133,7 @@ def test_exercise_2_rejects_sums_blocking_calls_and_wrong_dtypes(solved):
         return dist.all_reduce(compressed, async_op=True).get_future().then(lambda f: f.value()[0])
 
     for wrong in (no_division, blocking, waits_inside, not_compressed, stays_bfloat16):
-        assert check_verdict(namespace, 2, bf16_mean_hook=wrong) == "exercise 2: not yet", wrong.__name__
+        assert check_verdict(namespace, 2, wrong) == "exercise 2: not yet", wrong.__name__
 
 
 def hook_in(torch, dist, dtype):
@@ -122,8 +154,8 @@ def test_exercise_2_rejects_float16_and_says_it_overflows(solved):
     gradients near 1e5, the case that shows why bf16 is chosen (checked before real DDP's small gradients)."""
     namespace, _ = solved
     torch, dist = namespace["torch"], namespace["dist"]
-    assert check_verdict(namespace, 2, bf16_mean_hook=hook_in(torch, dist, torch.bfloat16)) == "exercise 2: correct"
-    printed = run_check(namespace, 2, bf16_mean_hook=hook_in(torch, dist, torch.float16)).strip().splitlines()
+    assert check_verdict(namespace, 2, hook_in(torch, dist, torch.bfloat16)) == "exercise 2: correct"
+    printed = run_check(namespace, 2, hook_in(torch, dist, torch.float16)).strip().splitlines()
     assert printed[-1] == "exercise 2: not yet" and "got dtypes" in printed[0]
 
     def float16_sent_as_bfloat16(process_group, bucket):
@@ -132,5 +164,46 @@ def test_exercise_2_rejects_float16_and_says_it_overflows(solved):
         work = dist.all_reduce(compressed, group=process_group, async_op=True)
         return work.get_future().then(lambda future: buffer.copy_(future.value()[0].to(torch.float16)))
 
-    printed = run_check(namespace, 2, bf16_mean_hook=float16_sent_as_bfloat16).strip().splitlines()
+    printed = run_check(namespace, 2, float16_sent_as_bfloat16).strip().splitlines()
     assert printed[-1] == "exercise 2: not yet" and printed[0].startswith("gradients near 1e5"), printed
+
+
+@pytest.mark.timeout(180)
+def test_exercise_3_rejects_rank_as_device_visible_list_index_missing_timeout_and_nccl_on_cpu(solved):
+    namespace, _ = solved
+    torch, solution = namespace["torch"], namespace["init_arguments"]
+
+    def device_from_rank(env, cuda_available):  # the classic: cuda:RANK breaks on node 1 of 2 x 8
+        device, arguments = solution(env, cuda_available)
+        if cuda_available:
+            device = torch.device("cuda", int(env["RANK"]))
+            arguments = {**arguments, "device_id": device}
+        return device, arguments
+
+    def physical_index(env, cuda_available):  # cuda:<the machine's GPU number>: CUDA renumbers visible GPUs
+        device, arguments = solution(env, cuda_available)
+        if cuda_available and env.get("CUDA_VISIBLE_DEVICES"):
+            device = torch.device("cuda", int(env["CUDA_VISIBLE_DEVICES"].split(",")[int(env["LOCAL_RANK"])]))
+            arguments = {**arguments, "device_id": device}
+        return device, arguments
+
+    def no_timeout(env, cuda_available):
+        device, arguments = solution(env, cuda_available)
+        return device, {key: value for key, value in arguments.items() if key != "timeout"}
+
+    def always_nccl(env, cuda_available):
+        device, arguments = solution(env, True)
+        return device, arguments
+
+    def strings(env, cuda_available):  # rank and world size as torchrun gives them: strings
+        device, arguments = solution(env, cuda_available)
+        return device, {**arguments, "rank": env["RANK"], "world_size": env["WORLD_SIZE"]}
+
+    def local_rank_as_rank(env, cuda_available):  # LOCAL_RANK passed as the job-wide rank
+        device, arguments = solution(env, cuda_available)
+        return device, {**arguments, "rank": int(env["LOCAL_RANK"])}
+
+    for wrong in (device_from_rank, physical_index, no_timeout, always_nccl, strings, local_rank_as_rank):
+        assert check_verdict(namespace, 3, wrong) == "exercise 3: not yet", wrong.__name__
+    assert check_verdict(namespace, 3, solution) == "exercise 3: correct"
+    assert isinstance(solution({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}, False)[1]["timeout"], timedelta)
