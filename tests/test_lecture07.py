@@ -219,6 +219,7 @@ def test_the_demo_script_refuses_one_rank_with_one_line(tmp_path):
     result = run_torchrun(SCRIPT, ["--json", tmp_path / "r.json", "--checkpoint-dir", tmp_path / "c"], nproc=1, timeout_s=100)
     assert result.returncode not in (0, None), result.describe()
     assert "sharding_demos.py: error: run it under torchrun on 2 or more ranks" in result.stderr
-    assert "Traceback" not in result.stderr, result.describe()
+    # torchrun's own failure report follows (the agent's traceback); the script itself raised nothing
+    assert 'sharding_demos.py", line' not in result.stderr, result.describe()
     assert result.stderr.count("sharding_demos.py: error:") == 1, result.describe()
     assert not (tmp_path / "r.json").exists()
