@@ -121,12 +121,14 @@ def startup_lines(results):
 @pytest.mark.timeout(180)
 def test_ranks_told_different_world_sizes_fail_in_init_after_the_timeout_not_hang(startup_demos):
     lines = dict(startup_lines(startup_demos[((0, 3), (1, 2))]))
-    assert lines == {
-        0: "[rank 0] init_process_group raised DistStoreError after the 5 s timeout: rendezvous: "
-           "only 2 of the 3 processes this rank expects (WORLD_SIZE) reached the store",
-        1: "[rank 1] init_process_group raised DistStoreError after the 5 s timeout: rendezvous: "
-           "rank 0's address never appeared in the store within 5000 ms",
-    }
+    assert lines[0] == ("[rank 0] init_process_group raised DistStoreError after the 5 s timeout: rendezvous: "
+                        "only 2 of the 3 processes this rank expects (WORLD_SIZE) reached the store")
+    # Rank 1 times out by itself, or - when it started later (a loaded machine) and rank 0 gave up
+    # first - sees rank 0's store close. The lecture prints rank 0's line and only that rank 1 failed in init.
+    assert lines[1] in (
+        "[rank 1] init_process_group raised DistStoreError after the 5 s timeout: rendezvous: "
+        "rank 0's address never appeared in the store within 5000 ms",
+    ) or lines[1].startswith("[rank 1] init_process_group raised DistNetworkError before the 5 s timeout: error: Failed to recv")
 
 
 @pytest.mark.timeout(180)
@@ -163,7 +165,16 @@ def test_the_flight_recorder_is_on_by_default_with_2000_entries_as_the_lecture_s
 
 @pytest.mark.timeout(60)
 def test_the_lecture_counts_detection_in_the_restart_cost_and_gets_the_levin_may_asymptote_right():
-    text = lecture_text()
-    assert text.count(r"$R = T_\text{detect} + T_\text{restart} + T_\text{load}$") == 2  # sections 4 and 5
-    assert "TORCH_NCCL_DUMP_ON_TIMEOUT=1`,\nso that each detection" in text
+    text = " ".join(lecture_text().split())  # line breaks do not matter
+    assert text.count(r"$R = T_\text{detect} + T_\text{restart} + T_\text{load}$") == 1  # defined once, section 4
+    assert r"**Detection is part of $R$.**" in text  # section 5 counts it
+    assert "`TORCH_NCCL_DUMP_ON_TIMEOUT=1`, so that each detection" in text
     assert r"about $\frac{\pi}{2\tau}$ for large $\tau$" in text and "pi / (4 tau)" not in text
+
+
+@pytest.mark.timeout(60)
+def test_the_lecture_writes_its_maths_in_latex_not_in_code():
+    text = lecture_text()
+    for ascii_maths in ("`sqrt(2 C M)`", "`E[segment]", "`gamma(n-1)", "`u = 2^-24`", "`2 W P`", "`tau/2`", "`1/tau`"):
+        assert ascii_maths not in text, ascii_maths
+    assert r"$\sqrt{2CM}$" in text and r"$\gamma_k = \frac{k u}{1 - k u}$" in text

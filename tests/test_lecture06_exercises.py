@@ -1,16 +1,18 @@
 """Lecture 06's exercise checks accept the solutions and reject the stubs and plausible wrong answers.
 
-The solutions notebook's code cells run once in one namespace (module fixture, a few seconds). Each
-test swaps one function for a wrong answer a learner might write, runs the exercise's own check,
-and expects "not yet"; the lecture's stubs must make the checks say "not solved yet".
+The solutions notebook's code cells run once in one namespace (module fixture, a few seconds). A
+check is one call, `check_exercise_N(answer)` (ddp_course/lecture06_checks.py); each test passes it
+a wrong answer a learner might write and expects "not yet"; the lecture's stubs must make the
+checks say "not solved yet". The solutions notebook opens with the lecture's set-up cell, copied.
 """
 
 import math
 
+import nbformat
 import pytest
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import check_verdict, not_solved_verdicts, run_all_cells, stub_verdicts
+from ddp_course.notebooks import cells_titled, not_solved_verdicts, run_all_cells, run_source
 
 LECTURE = REPO_ROOT / "lectures" / "06_debugging_fault_tolerance.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "06_debugging_fault_tolerance_solutions.ipynb"
@@ -21,6 +23,31 @@ NAMES = {1: "first_disagreement", 2: "checkpoint_every_steps", 3: "replica_finge
 def solved():
     return run_all_cells(SOLUTIONS)
 
+
+def check_verdict(namespace, number, answer):
+    """The last line check_exercise_<number>(answer) prints: its verdict."""
+    printed = run_source(f"check_exercise_{number}(answer)", {**namespace, "answer": answer})
+    return printed.strip().splitlines()[-1]
+
+
+def stub_verdicts(namespace):
+    """{number: verdict} of each check on the lecture's untouched exercise stub."""
+    verdicts = {}
+    for title, (stub, _) in cells_titled(LECTURE, "# Exercise ").items():
+        number = int(title.split()[2].rstrip(":"))
+        scratch = dict(namespace)
+        run_source(stub, scratch)
+        verdicts[number] = check_verdict(scratch, number, scratch[NAMES[number]])
+    return verdicts
+
+
+@pytest.mark.timeout(30)
+def test_the_solutions_copy_the_lecture_set_up_cell():
+    def shared(path):
+        return [cell.source for cell in nbformat.read(path, as_version=4).cells if "shared" in cell.metadata.get("tags", [])]
+
+    assert shared(SOLUTIONS) and shared(SOLUTIONS) == shared(LECTURE)
+    assert nbformat.read(SOLUTIONS, as_version=4).cells[1].source == shared(LECTURE)[0]  # the first code cell
 
 
 @pytest.mark.timeout(120)
@@ -33,7 +60,7 @@ def test_the_solutions_pass_their_checks(solved):
 @pytest.mark.timeout(120)
 def test_the_lecture_stubs_fail_the_same_checks(solved):
     namespace, _ = solved
-    assert stub_verdicts(namespace, LECTURE, NAMES) == not_solved_verdicts(NAMES)
+    assert stub_verdicts(namespace) == not_solved_verdicts(NAMES)
 
 
 @pytest.mark.timeout(120)
@@ -58,7 +85,7 @@ def test_exercise_1_rejects_index_pairing_names_only_and_ignoring_missing_entrie
         return solution(kept)
 
     for wrong in (by_index, names_only, common_numbers_only):
-        assert check_verdict(namespace, 1, first_disagreement=wrong) == "exercise 1: not yet", wrong.__name__
+        assert check_verdict(namespace, 1, wrong) == "exercise 1: not yet", wrong.__name__
 
 
 @pytest.mark.timeout(120)
@@ -79,7 +106,7 @@ def test_exercise_2_rejects_young_rounded_node_mtbf_missing_factor_and_seconds(s
         return max(1, round(solution(step_s, checkpoint_s, node_mtbf_s, nodes, restart_s) * step_s))
 
     for wrong in (young, node_mtbf, without_factor_2, seconds):
-        assert check_verdict(namespace, 2, checkpoint_every_steps=wrong) == "exercise 2: not yet", wrong.__name__
+        assert check_verdict(namespace, 2, wrong) == "exercise 2: not yet", wrong.__name__
 
 
 @pytest.mark.timeout(120)
@@ -98,4 +125,4 @@ def test_exercise_3_rejects_sums(solved):
         return (flat * torch.arange(1, len(flat) + 1, dtype=flat.dtype)).sum().reshape(1)
 
     for wrong in (total_sum, per_tensor_sums, weighted_float32_sum):
-        assert check_verdict(namespace, 3, replica_fingerprint=wrong) == "exercise 3: not yet", wrong.__name__
+        assert check_verdict(namespace, 3, wrong) == "exercise 3: not yet", wrong.__name__
