@@ -112,8 +112,12 @@ def test_exercise_2_rejects_the_same_world_size_answer_and_blocks(solved):
         size = math.ceil(len(rest) / new_world_size)
         return rest[new_rank * size:(new_rank + 1) * size]
 
+    def right_samples_reversed(*args):  # balanced, nothing skipped or repeated: only the order is wrong
+        return list(reversed(solution(*args)))
+
     assert check_verdict(2, slice_a_new_sampler) == "exercise 2: not yet"
     assert check_verdict(2, contiguous_pieces) == "exercise 2: not yet"
+    assert check_verdict(2, right_samples_reversed) == "exercise 2: not yet"
 
 
 @pytest.mark.timeout(120)
