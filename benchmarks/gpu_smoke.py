@@ -176,6 +176,17 @@ def lecture6_figure(out: Path) -> str:
     return f"{len(ranks)} ranks: load after wrap diverges, unused parameter raises at iteration 1, flight recorder dumped"
 
 
+def lecture7_figure(out: Path) -> str:
+    """Lecture 7: fully_shard holds about 1/N of DDP's bytes, sends 1.5x, and DCP reloads equal weights."""
+    report = read_json(out / "report.json")
+    n = report["world_size"]
+    ddp, fsdp = report["memory"][f"ddp/{n}"][0], report["memory"][f"fsdp/{n}"][0]
+    if not (report["checkpoint"]["equal_on_4"] and report["checkpoint"]["equal_on_1"]):
+        raise KeyFigureError("the DCP checkpoint reloaded different weights")
+    return (f"{n} ranks: fully_shard holds {fsdp['held']['total'] / ddp['held']['total']:.2f}x DDP's bytes, "
+            f"sends {fsdp['wire'] / ddp['wire']:.2f}x; DCP 2 -> {n} ranks and -> 1 process equal")
+
+
 @dataclass(frozen=True)
 class LabRun:
     name: str
@@ -226,6 +237,9 @@ LAB_RUNS = (
     LabRun("lab8", "labs/lab8_fsdp.py",
            ("--module", "solutions", "--impl", "ddp", "--impl", "fsdp", "--impl", "fully_shard", "--check-steps", "2",
             "--warmup-steps", "1", "--steps", "1", "--repeats", "1", "--json", "{out}/lab8.json"), lab8_figure),
+    # Lecture 7's demos, one rank per GPU (NCCL, cuda:LOCAL_RANK); its 2-rank numbers use ranks 0-1, so 2+ GPUs.
+    LabRun("lecture7_sharding", "lectures/scripts/sharding_demos.py",
+           ("--json", "{out}/report.json", "--checkpoint-dir", "{out}/checkpoint"), lecture7_figure, min_ranks=2),
     # Lab 7 refuses torchrun's shared agent store on every launch (its docstring), restarts or not.
     LabRun("lab7", "labs/lab7_fault_tolerance.py",
            ("--max-steps", "20", "--checkpoint-dir", "{out}/checkpoints", "--metrics-json", "{out}/lab7.json"), accuracy_figure("lab7.json"),

@@ -19,6 +19,10 @@ LABS = {lab.name: lab for lab in smoke.LAB_RUNS}
 
 # Samples written from the labs' real --json files (CPU runs, 2 ranks), trimmed to the fields read.
 SAMPLES = {
+    "lecture7_sharding": ("report.json", {
+        "world_size": 2, "checkpoint": {"equal_on_4": True, "equal_on_1": True},
+        "memory": {"ddp/2": [{"held": {"total": 1000}, "wire": 100}], "fsdp/2": [{"held": {"total": 500}, "wire": 150}]},
+    }, "2 ranks: fully_shard holds 0.50x DDP's bytes, sends 1.50x; DCP 2 -> 2 ranks and -> 1 process equal"),
     "lab1": ("lab1.json", [
         {"algbw_gbps": 0.0105, "backend": "nccl", "busbw_gbps": 0.0105, "bytes": 4096, "time_s": 0.00039, "world_size": 2},
         {"algbw_gbps": 141.3, "backend": "nccl", "busbw_gbps": 141.3, "bytes": 4194304, "time_s": 2.97e-05, "world_size": 2},
@@ -90,7 +94,7 @@ def test_every_lab_in_the_table_has_a_sample():
                                                       "labs/lab3_ddp.py", "solutions/lab4_broken_ddp.py", "labs/lab5_scaling.py",
                                                       "labs/lab6_ddp_from_scratch.py", "labs/lab7_fault_tolerance.py", "labs/lab7_hangs.py", "labs/lab8_fsdp.py",
                                                       "lectures/scripts/ddp_internals_demos.py", "lectures/scripts/perf_ddp_job.py",
-                                                      "lectures/scripts/faults_demos.py"}
+                                                      "lectures/scripts/faults_demos.py", "lectures/scripts/sharding_demos.py"}
 
 
 def test_a_failed_check_fails_the_lab_even_with_exit_status_0(tmp_path):
@@ -128,7 +132,7 @@ def test_join_weights_that_differ_fail_the_hang_lab(tmp_path):
 
 
 def test_a_lab_needing_more_ranks_than_gpus_is_marked():
-    two_ranks = {"lab7_hangs_join", "lab5_sweep"}  # the Join scenario; the sweep's 2-rank job
+    two_ranks = {"lab7_hangs_join", "lab5_sweep", "lecture7_sharding"}  # the Join scenario; the sweep's 2-rank job; 2-rank subgroups
     assert all(LABS[name].min_ranks == 2 for name in two_ranks)
     assert all(lab.min_ranks == 1 for lab in smoke.LAB_RUNS if lab.name not in two_ranks)  # lab 6 too (review finding 2)
 
