@@ -17,6 +17,7 @@ from ddp_course.notebooks import cells_titled, without_solution
 # Lectures with exercises (lecture 2's exercises are checked by tests/test_02_collectives_exercises.py).
 LECTURES = (
     "01_data_parallelism", "03_samplers", "04_ddp_internals", "05_scaling_performance", "06_debugging_fault_tolerance",
+    "07_sharded_data_parallelism",
 )  # fmt: skip
 
 
