@@ -108,28 +108,26 @@ def without_solution(solution_source: str, number: int, solutions_path: str) -> 
     return SOLUTION_BLOCK.sub(stub, solution_source)
 
 
-def run_check(namespace: dict, number: int, **replacements) -> str:
-    """Run a notebook's check_exercise_<number>() with some names replaced (a wrong answer, say);
-    return everything it printed. Its verdict is the last line."""
-    with replaced(namespace, **replacements):
-        return run_source(f"check_exercise_{number}()", namespace)
+def run_check(namespace: dict, number: int, answer) -> str:
+    """Run a notebook's one-call check, check_exercise_<number>(answer), on an answer (a wrong one,
+    say); return everything it printed. Its verdict is the last line."""
+    return run_source(f"check_exercise_{number}(answer)", {**namespace, "answer": answer})
 
 
-def check_verdict(namespace: dict, number: int, **replacements) -> str:
+def check_verdict(namespace: dict, number: int, answer) -> str:
     """The last line run_check() printed: "exercise N: correct", "... not yet ..." or "... not solved yet ..."."""
-    return run_check(namespace, number, **replacements).strip().splitlines()[-1]
+    return run_check(namespace, number, answer).strip().splitlines()[-1]
 
 
 def stub_verdicts(namespace: dict, lecture_path: str | Path, functions: dict[int, str]) -> dict[int, str]:
-    """{exercise number: its check's verdict} after running each of the lecture's exercise stubs in a
-    namespace where the solutions ran; functions ({number: the function the exercise asks for}) are
-    restored to the solutions' afterwards."""
+    """{exercise number: its check's verdict} on each of the lecture's untouched exercise stubs, run in a
+    copy of namespace; functions: {number: the function the exercise asks for}."""
     verdicts = {}
-    with replaced(namespace, **{name: namespace[name] for name in functions.values()}):  # save and restore
-        for title, (stub, _) in cells_titled(lecture_path, "# Exercise ").items():
-            number = int(re.match(r"# Exercise (\d+):", title).group(1))
-            run_source(stub, namespace)
-            verdicts[number] = check_verdict(namespace, number)
+    for title, (stub, _) in cells_titled(lecture_path, "# Exercise ").items():
+        number = int(re.match(r"# Exercise (\d+):", title).group(1))
+        scratch = dict(namespace)
+        run_source(stub, scratch)
+        verdicts[number] = check_verdict(scratch, number, scratch[functions[number]])
     return verdicts
 
 

@@ -13,7 +13,8 @@ import nbformat
 import pytest
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import cells_titled, not_solved_verdicts, run_all_cells, run_source
+from ddp_course import notebooks
+from ddp_course.notebooks import check_verdict, not_solved_verdicts, run_all_cells, run_check
 
 LECTURE = REPO_ROOT / "lectures" / "04_ddp_internals.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "04_ddp_internals_solutions.ipynb"
@@ -25,24 +26,9 @@ def solved():
     return run_all_cells(SOLUTIONS)
 
 
-def run_check(namespace, number, answer):
-    """Everything check_exercise_<number>(answer) prints; its verdict is the last line."""
-    return run_source(f"check_exercise_{number}(answer)", {**namespace, "answer": answer})
-
-
-def check_verdict(namespace, number, answer):
-    return run_check(namespace, number, answer).strip().splitlines()[-1]
-
-
 def stub_verdicts(namespace):
     """{number: verdict} of each check on the lecture's untouched exercise stub."""
-    verdicts = {}
-    for title, (stub, _) in cells_titled(LECTURE, "# Exercise ").items():
-        number = int(title.split()[2].rstrip(":"))
-        scratch = dict(namespace)
-        run_source(stub, scratch)
-        verdicts[number] = check_verdict(scratch, number, scratch[FUNCTIONS[number]])
-    return verdicts
+    return notebooks.stub_verdicts(namespace, LECTURE, FUNCTIONS)
 
 
 @pytest.mark.timeout(30)

@@ -12,7 +12,8 @@ import nbformat
 import pytest
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import cells_titled, not_solved_verdicts, run_all_cells, run_source
+from ddp_course import notebooks
+from ddp_course.notebooks import check_verdict, not_solved_verdicts, run_all_cells
 
 LECTURE = REPO_ROOT / "lectures" / "06_debugging_fault_tolerance.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "06_debugging_fault_tolerance_solutions.ipynb"
@@ -24,21 +25,9 @@ def solved():
     return run_all_cells(SOLUTIONS)
 
 
-def check_verdict(namespace, number, answer):
-    """The last line check_exercise_<number>(answer) prints: its verdict."""
-    printed = run_source(f"check_exercise_{number}(answer)", {**namespace, "answer": answer})
-    return printed.strip().splitlines()[-1]
-
-
 def stub_verdicts(namespace):
     """{number: verdict} of each check on the lecture's untouched exercise stub."""
-    verdicts = {}
-    for title, (stub, _) in cells_titled(LECTURE, "# Exercise ").items():
-        number = int(title.split()[2].rstrip(":"))
-        scratch = dict(namespace)
-        run_source(stub, scratch)
-        verdicts[number] = check_verdict(scratch, number, scratch[NAMES[number]])
-    return verdicts
+    return notebooks.stub_verdicts(namespace, LECTURE, NAMES)
 
 
 @pytest.mark.timeout(30)
