@@ -108,6 +108,13 @@ def without_solution(solution_source: str, number: int, solutions_path: str) -> 
     return SOLUTION_BLOCK.sub(stub, solution_source)
 
 
+def shared_cells(path: str | Path) -> list[str]:
+    """The sources of a notebook's code cells tagged "shared": the set-up a lecture and its solutions
+    notebook must both run, word for word (the tests compare the two lists)."""
+    cells = json.loads(Path(path).read_text())["cells"]
+    return ["".join(cell["source"]) for cell in cells if "shared" in cell.get("metadata", {}).get("tags", [])]
+
+
 def run_check(namespace: dict, number: int, answer) -> str:
     """Run a notebook's one-call check, check_exercise_<number>(answer), on an answer (a wrong one,
     say); return everything it printed. Its verdict is the last line."""

@@ -33,9 +33,7 @@ def stub_verdicts(namespace):
 
 @pytest.mark.timeout(30)
 def test_the_solutions_copy_the_lecture_set_up_cell():
-    def shared(path):
-        return [cell.source for cell in nbformat.read(path, as_version=4).cells if "shared" in cell.metadata.get("tags", [])]
-
+    shared = notebooks.shared_cells  # the rule lives in ddp_course.notebooks
     assert shared(SOLUTIONS) and shared(SOLUTIONS) == shared(LECTURE)
     assert nbformat.read(SOLUTIONS, as_version=4).cells[1].source == shared(LECTURE)[0]  # the first code cell
 

@@ -14,6 +14,7 @@ import math
 import nbformat
 import pytest
 
+from ddp_course import notebooks
 from ddp_course.launch import REPO_ROOT
 from ddp_course.notebooks import cells_titled, not_solved_verdicts, replaced, run_all_cells, run_source
 
@@ -24,9 +25,7 @@ FUNCTIONS = {1: "hierarchical_phases", 2: "largest_batch", 3: "powersgd_elements
 
 @pytest.mark.timeout(30)
 def test_solutions_copy_the_lecture_set_up_cells():
-    def shared(path):
-        return [cell.source for cell in nbformat.read(path, as_version=4).cells if "shared" in cell.metadata.get("tags", [])]
-
+    shared = notebooks.shared_cells  # the rule lives in ddp_course.notebooks
     assert shared(SOLUTIONS) and set(shared(SOLUTIONS)) <= set(shared(LECTURE))
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ddp_course import lecture07_checks as checks
+from ddp_course import notebooks
 from ddp_course.launch import REPO_ROOT, run_torchrun
 from ddp_course.notebooks import cells_titled, run_source, without_solution
 from ddp_course.sharding import predicted_bytes_per_step
@@ -169,9 +170,7 @@ def test_check_cells_are_identical_and_stored_verdicts_are_honest():
 
 @pytest.mark.timeout(30)
 def test_solutions_copy_the_lecture_set_up_cells():
-    def shared(path):
-        return [cell.source for cell in nbformat.read(path, as_version=4).cells if "shared" in cell.metadata.get("tags", [])]
-
+    shared = notebooks.shared_cells  # the rule lives in ddp_course.notebooks
     assert shared(SOLUTIONS) and shared(SOLUTIONS) == shared(LECTURE)
 
 
