@@ -144,8 +144,13 @@ def not_solved_verdicts(functions: dict[int, str]) -> dict[int, str]:
 
 
 def main(paths: list[str]) -> int:
-    if not paths:
-        print("usage: python -m ddp_course.notebooks NOTEBOOK.ipynb [NOTEBOOK.ipynb ...]", file=sys.stderr)
+    usage = "usage: python -m ddp_course.notebooks NOTEBOOK.ipynb [NOTEBOOK.ipynb ...]"
+    if not paths or any(path.startswith("-") for path in paths):
+        print(usage, file=sys.stderr)
+        return 2
+    not_notebooks = [path for path in paths if not (path.endswith(".ipynb") and Path(path).is_file())]
+    if not_notebooks:
+        print(f"not a notebook file: {', '.join(not_notebooks)}\n{usage}", file=sys.stderr)
         return 2
     for path in paths:
         print(f"{path}: executed in {execute_in_place(path):.1f} s", flush=True)

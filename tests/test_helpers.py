@@ -453,3 +453,11 @@ def test_start_in_background_returns_at_once_and_hands_over_the_result(monkeypat
     assert not future.done()  # the caller goes on while the job runs
     release.set()
     assert future.result(timeout=10) == ("job.py", ["--x"], 3, 9, {"env": {"A": "1"}})
+
+
+@pytest.mark.parametrize("arguments", [[], ["--help"], ["missing.ipynb"], ["README.md"]])
+def test_notebook_runner_refuses_bad_input_with_usage_and_status_2(capsys, arguments):
+    from ddp_course import notebooks
+
+    assert notebooks.main(arguments) == 2
+    assert "usage: python -m ddp_course.notebooks" in capsys.readouterr().err
