@@ -15,7 +15,7 @@ and for each one
   2. WEIGHS the model state each rank keeps with AdamW (parameters, gradients, optimizer state: bytes of
      the tensors' storages, ddp_course.sharding), on the fullest rank;
   3. COUNTS the bytes one step communicates (every collective recorded with its payload, turned into
-     bytes each rank sends by lecture 2's ring costs) against the formula (lecture 7);
+     bytes each rank sends by lecture 2's ring costs) against the formula (lecture 7), and the messages;
   4. TIMES an AdamW step: warm-up, repeats interleaved across implementations, the slowest rank's time,
      the median over repeats.
 
@@ -66,6 +66,8 @@ def parse_args(argv=None):
                         help="implementation(s); repeat the flag, or 'all' (default)")
     parser.add_argument("--module", choices=("labs", "solutions"), default="labs",
                         help="the FSDP of --impl fsdp: labs (your labs/minifsdp.py) or solutions (the finished one)")
+    parser.add_argument("--fsdp-units", choices=("blocks", "matrices"), default="blocks",
+                        help="what --impl fsdp sends in one message: each block's weights (as fully_shard) or each matrix")
     parser.add_argument("--batch-size", type=positive_int, default=4, help=f"windows of {lab6.CONTEXT} characters per rank")
     parser.add_argument("--check-steps", type=positive_int, default=3, help="SGD steps of the correctness check")
     parser.add_argument("--warmup-steps", type=positive_int, default=2, help="untimed AdamW steps first")
@@ -98,7 +100,7 @@ class Trained:
 
     def __init__(self, impl: str, args, ctx, modules: dict, make_optimizer):
         self.impl, self.model = impl, lab6.new_model(args, ctx)  # the same weights on every rank
-        self.wrapped = wrap(impl, self.model, ctx, modules)
+        self.wrapped = wrap(impl, self.model, args, ctx, modules)
         self.optimizer = make_optimizer(self.wrapped.parameters())
 
     def step(self, inputs, targets) -> None:
@@ -118,7 +120,7 @@ class Trained:
         return torch.cat([named[name].detach().flatten() for name, _ in self.model.named_parameters()])
 
 
-def wrap(impl: str, model, ctx, modules: dict):
+def wrap(impl: str, model, args, ctx, modules: dict):
     if impl in ("ddp", "zero1"):
         device_ids = [ctx.local_rank] if ctx.device.type == "cuda" else None
         # gradient_as_bucket_view: the gradients live in DDP's buckets, so weighing them counts DDP's real
@@ -128,7 +130,10 @@ def wrap(impl: str, model, ctx, modules: dict):
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         return ddp
     if impl == "fsdp":
-        return modules["minifsdp"].FSDP(model)
+        # blocks: one unit per transformer block and the rest in the root's, the grouping fully_shard gets
+        # below; matrices: every module that owns a matrix is its own unit (one message per weight matrix).
+        units = list(model.blocks) if args.fsdp_units == "blocks" else None
+        return modules["minifsdp"].FSDP(model, units=units)
     if impl == "fully_shard":
         from torch.distributed.device_mesh import init_device_mesh  # imports torch._dynamo: seconds, so only here
         from torch.distributed.fsdp import fully_shard
@@ -194,6 +199,7 @@ def measure(args, ctx, tokens, modules) -> tuple[dict, dict]:
         measured[impl] = {
             "model_state_bytes": {kind: int(lab6.job_max(value, ctx)) for kind, value in state.items()},
             "collective_bytes_by_kind": counter.bytes_by_kind(),
+            "messages_per_step": len(counter.calls),  # each pays the fixed latency alpha, whatever its size
             "bytes_per_step_measured": counter.wire_bytes_per_rank(ctx.world_size),
             "bytes_per_step_predicted": predicted(impl, lab6.new_model(args, ctx), ctx.world_size),
         }
@@ -231,6 +237,7 @@ def run(args, ctx) -> tuple[list[dict], bool]:
     ddp_total = measured.get("ddp", {}).get("model_state_bytes", {}).get("total")
     records = [{
         "impl": impl, "module": args.module if impl == "fsdp" else ("solutions" if impl == "zero1" else "torch"),
+        "fsdp_units": args.fsdp_units if impl == "fsdp" else None,
         "world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
         "batch_size_per_rank": args.batch_size, "check_steps": args.check_steps,
         **{k: v for k, v in checked[impl].items() if k != "verdict"}, "check_passed": checked[impl]["verdict"] == "PASS",
@@ -254,8 +261,9 @@ def report(records: list[dict], args) -> None:
     short = {"parameters": "params_MiB", "gradients": "grads_MiB", "optimizer_state": "adam_MiB", "total": "total_MiB"}
     rows = [{"impl": r["impl"], **{short[k]: v / mib for k, v in r["model_state_bytes"].items()},
              "vs_ddp": r["state_vs_ddp"], "sent_MiB": r["bytes_per_step_measured"] / mib,
-             "formula_MiB": r["bytes_per_step_predicted"] / mib, "ratio": r["bytes_vs_formula"]} for r in records]  # fmt: skip
-    log("model state on the fullest rank (AdamW) and bytes each rank sends per step (ring costs):")
+             "formula_MiB": r["bytes_per_step_predicted"] / mib, "ratio": r["bytes_vs_formula"],
+             "messages": r["messages_per_step"]} for r in records]  # fmt: skip
+    log("model state on the fullest rank (AdamW), bytes each rank sends per step (ring costs) and collectives per step:")
     log(format_table(rows, list(rows[0])))
     if args.repeats:
         log(f"step time (AdamW): median of {args.repeats} repeats of {args.steps} steps, slowest rank")

@@ -12,7 +12,7 @@ while a module needs it.
 
 Usage, inside a job whose default process group exists (ddp_course.setup_distributed() under torchrun):
 
-    model = FSDP(Net().to(device), compute_dtype=None)  # rank 0's weights are sharded over every rank
+    model = FSDP(Net().to(device), units=[...])          # rank 0's weights are sharded over every rank
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # sees the local slices only
     for inputs, targets in loader:                      # each rank reads its own part of the batch
         optimizer.zero_grad()
@@ -31,14 +31,22 @@ wrapped model's parameter is replaced by this rank's slice (an nn.Parameter of s
 optimizer must step. One-dimensional parameters (norm gains, biases) are small: they stay replicated
 and their gradients are all-reduced, as in DDP.
 
-How the full weights appear and vanish, per module that owns parameters (`named_parameters(recurse=False)`):
-- a forward pre-hook gathers them into one padded "full" tensor per parameter (a leaf that requires
-  grad) and shows the module a view of its real rows; a forward hook frees the storage (resize to 0
-  bytes). Autograd keeps its reference to the freed tensor for backward;
-- a hook on the module's outputs runs when their gradient is ready, just before the module's own
-  backward: it gathers the weights again into the same storage, so autograd finds the values it saved;
-- when autograd has accumulated the full tensor's gradient (post-accumulate-grad hook: after every use,
-  so a tied weight is reduce-scattered once), it is reduce-scattered into the slice's .grad and freed.
+Units: what travels in one message. FSDP(module, units=[block, ...]) makes each listed submodule a unit
+(as torch's fully_shard(block) does) and the wrapped model the unit of every parameter outside them; with
+units=None every module that owns a weight matrix is its own unit. A unit's sharded parameters are
+communicated together: its slices are concatenated into one all-gather and its gradients into one
+reduce-scatter. On gloo every message pays a fixed latency (lecture 2's alpha), so one message per
+transformer block instead of one per matrix is what makes this FSDP as fast as torch's (lab 8, section 6).
+
+How the full weights appear and vanish, per unit:
+- a forward pre-hook gathers the unit's weights into one padded "full" tensor per parameter (a leaf that
+  requires grad) and shows every module of the unit a view of its real rows; a forward hook frees the
+  storage (resize to 0 bytes). Autograd keeps its reference to the freed tensor for backward;
+- a hook on the unit's outputs runs when their gradient is ready, just before the unit's own backward:
+  it gathers the weights again into the same storage, so autograd finds the values it saved;
+- when autograd has accumulated the gradient of every full tensor of the unit (post-accumulate-grad hooks:
+  after every use, so a tied weight counts once), the unit's gradients are reduce-scattered in one message
+  into the slices' .grad and freed. One-dimensional parameters are averaged in one all-reduce at the end.
 
 compute_dtype (e.g. torch.float16) is the dtype of the full weights: the slices are cast before the
 all-gather (half the bytes on the wire) and forward and backward run on them. Master weights (the
@@ -46,10 +54,10 @@ slices), their gradients, the replicated parameters and the optimizer step stay 
 parameters are NOT cast: a layer that adds a float32 bias to a float16 matrix product (nn.Linear with
 bias) then fails with a dtype error - use bias-free linears with compute_dtype, or keep it None.
 
-Limits, on purpose (this is part 1): no prefetching and no overlap (every collective blocks); every rank
-must run the same graph (same modules in the same order: they meet at every gather); a module must use
-a weight only inside its own forward (model code that reads `self.layer.weight` from outside the layer
-gets the slice); buffers are broadcast from rank 0 once and then left alone.
+Limits, on purpose: no prefetching and no overlap (every collective blocks); every rank must run the
+same graph (same units in the same order: they meet at every gather); a module must use a weight only
+inside the forward of its unit (model code that reads `self.layer.weight` from elsewhere gets the slice);
+buffers are broadcast from rank 0 once and then left alone.
 
 NCCL: every collective's tensors are on the parameters' device; put the model on cuda:LOCAL_RANK first.
 Written for NCCL with care but run only on gloo/CPU so far.
@@ -95,57 +103,115 @@ class ShardedParameter:
 
     `shard` (rows_per_rank, *rest) is the nn.Parameter the wrapped module and the optimizer see.
     `full` (world_size * rows_per_rank, *rest), in compute_dtype, is a leaf tensor kept for the whole
-    run; its storage is allocated only between gather() and release(). Modules use its first `rows` rows.
+    run; its storage is allocated only while its unit's weights are gathered. Modules use its first `rows` rows.
     """
 
     def __init__(self, param: nn.Parameter, compute_dtype: torch.dtype, rank: int, world_size: int):
         self.shape = param.shape  # the unsharded, unpadded shape
-        self.world_size = world_size
         self.shard = nn.Parameter(shard_rows(param, rank, world_size), requires_grad=param.requires_grad)
         padded = (world_size * self.shard.shape[0], *self.shape[1:])
         self.full = torch.empty(padded, dtype=compute_dtype, device=param.device, requires_grad=param.requires_grad)
         self.full_bytes = self.full.numel() * self.full.element_size()
-        self.users = 0  # modules between their forward pre-hook and forward hook (nesting, tied weights)
-        self.gradient_synchronized = False  # reduce-scattered in this step's backward
-        self.release()
+        self.full.untyped_storage().resize_(0)
 
     @property
     def gathered(self) -> bool:
         return self.full.untyped_storage().nbytes() > 0
-
-    def gather(self) -> None:
-        """Allocate the full tensor's storage and fill it with every rank's slice (in compute_dtype)."""
-        if self.gathered:
-            return
-        # BEGIN SOLUTION
-        # TODO(lab 8, part 2): resize self.full's untyped_storage() to self.full_bytes, then all_gather_single into
-        #   self.full.data viewed flat, from self.shard detached, cast to self.full.dtype, viewed flat. Write
-        #   through .data: autograd saved self.full in forward and must not see this refill as a modification
-        self.full.untyped_storage().resize_(self.full_bytes)
-        local = self.shard.detach().to(self.full.dtype)  # the cast halves the bytes sent for float16
-        all_gather_single(self.full.data.view(-1), local.reshape(-1))
-        # END SOLUTION
-
-    def release(self) -> None:
-        """Free the full tensor's memory; the tensor object (and autograd's reference to it) stays."""
-        # BEGIN SOLUTION
-        # TODO(lab 8, part 2): resize self.full's untyped_storage() to 0 bytes
-        self.full.untyped_storage().resize_(0)
-        # END SOLUTION
 
     def unpadded_view(self) -> torch.Tensor:
         """What the module computes with: the real rows of the full tensor (autograd tracks the view)."""
         return self.full.narrow(0, 0, self.shape[0])
 
 
+class ShardGroup:
+    """The sharded parameters of one unit, communicated together: one all-gather, one reduce-scatter.
+
+    Flat layout of a message: rank r's part is its slices of every parameter, concatenated in `params`
+    order. So the gathered buffer, viewed as (world_size, slice elements of the group), has rank r's slices
+    in row r, and column block i of it is parameter i's full tensor, rank after rank (its rows in order).
+    """
+
+    def __init__(self, params: list[ShardedParameter], world_size: int):
+        self.params = params
+        self.world_size = world_size
+        self.slice_sizes = [handle.shard.numel() for handle in params]
+        self.users = 0  # units between their forward pre-hook and forward hook (nesting, tied weights)
+        self.gradients_pending = {h for h in params if h.full.requires_grad}  # not yet accumulated this step
+
+    @property
+    def gathered(self) -> bool:
+        return self.params[0].gathered
+
+    def gather(self) -> None:
+        """Allocate every full tensor of the group and fill them from every rank's slices, in ONE all-gather."""
+        if self.gathered:
+            return
+        # BEGIN SOLUTION
+        # TODO(lab 8, part 2): resize each handle's full.untyped_storage() to its full_bytes; concatenate the slices
+        #   (detached, cast to the full tensors' dtype, flat) into one tensor; all_gather_single it into a new flat
+        #   tensor of world_size times its size; then copy each parameter's column block (see the class docstring)
+        #   into handle.full.data viewed as (world_size, -1). Write through .data: autograd saved the full tensor
+        #   in forward and must not see this refill as a modification
+        for handle in self.params:
+            handle.full.untyped_storage().resize_(handle.full_bytes)
+        dtype = self.params[0].full.dtype  # the cast halves the bytes sent for float16
+        local = torch.cat([handle.shard.detach().to(dtype).reshape(-1) for handle in self.params])
+        everyone = torch.empty(self.world_size * local.numel(), dtype=dtype, device=local.device)
+        all_gather_single(everyone, local)
+        columns = everyone.view(self.world_size, -1).split(self.slice_sizes, dim=1)
+        for handle, column in zip(self.params, columns):
+            handle.full.data.view(self.world_size, -1).copy_(column)
+        # END SOLUTION
+
+    def release(self) -> None:
+        """Free the full tensors' memory; the tensor objects (and autograd's references to them) stay."""
+        # BEGIN SOLUTION
+        # TODO(lab 8, part 2): resize each handle's full.untyped_storage() to 0 bytes
+        for handle in self.params:
+            handle.full.untyped_storage().resize_(0)
+        # END SOLUTION
+
+    def gradient_ready(self, handle: ShardedParameter) -> None:
+        """Post-accumulate-grad hook of handle.full: once every trainable full tensor has its gradient, reduce-scatter."""
+        self.gradients_pending.discard(handle)
+        if not self.gradients_pending:
+            self.reduce_scatter()
+
+    def reduce_scatter(self) -> None:
+        """Each slice's .grad += the average over ranks of its gradient, for the whole group in ONE reduce-scatter;
+        then free the full tensors. A trainable parameter without a gradient this step counts as zeros."""
+        trainable = [handle for handle in self.params if handle.full.requires_grad]
+        # BEGIN SOLUTION
+        # TODO(lab 8, part 3): for each trainable handle, its full.grad (zeros if None) as float32 viewed as
+        #   (world_size, -1), divided by world_size (then the sum is the average); concatenate them along dim 1
+        #   (the gather's layout), reduce_scatter_single it (flat) into a new flat float32 tensor of the slices'
+        #   total size, and set or add each handle's part (viewed like handle.shard) to handle.shard.grad. Then
+        #   every full.grad = None, self.release()
+        gradients = [
+            (h.full.grad if h.full.grad is not None else torch.zeros_like(h.full)).to(torch.float32) for h in trainable
+        ]
+        flat = torch.cat([g.view(self.world_size, -1) / self.world_size for g in gradients], dim=1)
+        mine = torch.empty(flat.shape[1], dtype=torch.float32, device=flat.device)
+        reduce_scatter_single(mine, flat.reshape(-1))
+        for handle, part in zip(trainable, mine.split([h.shard.numel() for h in trainable])):
+            grad = part.view_as(handle.shard)
+            handle.shard.grad = grad if handle.shard.grad is None else handle.shard.grad + grad
+            handle.full.grad = None
+        self.release()
+        # END SOLUTION
+        self.gradients_pending = set(trainable)  # the next step waits for all of them again
+
+
 class FSDP(nn.Module):
     """Fully sharded data parallelism: weight matrices sharded by rows, gathered only around their use.
 
-    FSDP(module, compute_dtype=None). The wrapped model is `.module`; its parameters of two or more
-    dimensions are replaced by this rank's slices. See the module docstring for the protocol.
+    FSDP(module, compute_dtype=None, units=None). The wrapped model is `.module`; its parameters of two or
+    more dimensions are replaced by this rank's slices. `units`: submodules whose parameters travel
+    together (e.g. the transformer blocks); the wrapped model is the unit of the rest. None: every module
+    that owns a weight matrix is a unit of its own. See the module docstring for the protocol.
     """
 
-    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None):
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, units=None):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("create the process group first (ddp_course.setup_distributed() under torchrun)")
@@ -160,109 +226,138 @@ class FSDP(nn.Module):
                 dist.broadcast(tensor.detach(), src=0)
         self.sharded: dict[nn.Parameter, ShardedParameter] = {}  # keyed by the slice, one entry per tied weight
         self.replicated: list[nn.Parameter] = []  # one-dimensional, each once
-        self._owned: dict[nn.Module, list[tuple[str, ShardedParameter]]] = {}
-        self._shard_parameters()
-        for owner in self._owned:
-            owner.register_forward_pre_hook(self._before_forward)
-            owner.register_forward_hook(self._after_forward)
-        for handle in self.sharded.values():
-            if handle.full.requires_grad:
-                handle.full.register_post_accumulate_grad_hook(lambda _, handle=handle: self._reduce_scatter(handle))
+        # Per unit: the (module, attribute name, handle) of every weight matrix its modules hold, and the
+        # groups those handles belong to (its own, and another unit's for a weight tied across units).
+        self._uses: dict[nn.Module, list[tuple[nn.Module, str, ShardedParameter]]] = {}
+        self._groups_of: dict[nn.Module, list[ShardGroup]] = {}
+        self._shard_parameters(self._units(units))
+        for unit in self._uses:
+            unit.register_forward_pre_hook(self._before_forward)
+            unit.register_forward_hook(self._after_forward)
 
-    def _shard_parameters(self) -> None:
-        """Replace every parameter of 2+ dimensions by its slice; a tied parameter gets one ShardedParameter."""
+    def _units(self, units) -> list[nn.Module]:
+        """The units in the wrapped model's module order, so an outer unit comes before the units inside it:
+        the wrapped model and those given, or (units=None) every module that owns a weight matrix."""
+        if units is None:
+            return [m for m in self.module.modules() if any(p.dim() >= 2 for p in m.parameters(recurse=False))]
+        chosen = {self.module, *units}
+        if len(chosen.intersection(self.module.modules())) < len(chosen):
+            raise ValueError("every unit must be a submodule of the wrapped module")
+        return [m for m in self.module.modules() if m in chosen]
+
+    def _shard_parameters(self, units: list[nn.Module]) -> None:
+        """Replace every parameter of 2+ dimensions by its slice, and group the slices by unit.
+
+        A module belongs to the innermost unit that contains it. A tied parameter gets one ShardedParameter,
+        in the group of the first unit that holds it; every unit that uses it gathers that group."""
+        unit_of = {}
+        for unit in units:  # outer units first, so an inner unit claims its modules last
+            for module in unit.modules():
+                unit_of[module] = unit
         by_original: dict[nn.Parameter, ShardedParameter] = {}
+        members: dict[nn.Module, list[ShardedParameter]] = {unit: [] for unit in units}
+        group_of: dict[ShardedParameter, nn.Module] = {}
         for owner in self.module.modules():
             for name, param in list(owner.named_parameters(recurse=False)):
                 if param.dim() < 2:
                     if all(param is not seen for seen in self.replicated):
                         self.replicated.append(param)
                     continue
+                unit = unit_of.get(owner)
+                if unit is None:
+                    raise ValueError(f"{type(owner).__name__} owns a weight matrix but is in no unit")
                 if param not in by_original:
                     by_original[param] = ShardedParameter(param, self.compute_dtype, self.rank, self.world_size)
+                    members[unit].append(by_original[param])
+                    group_of[by_original[param]] = unit
                 handle = by_original[param]
                 setattr(owner, name, handle.shard)  # the module now holds the slice
                 self.sharded[handle.shard] = handle
-                self._owned.setdefault(owner, []).append((name, handle))
+                self._uses.setdefault(unit, []).append((owner, name, handle))
+        groups = {unit: ShardGroup(params, self.world_size) for unit, params in members.items() if params}
+        for group in groups.values():
+            for handle in group.params:
+                if handle.full.requires_grad:
+                    handle.full.register_post_accumulate_grad_hook(lambda _, h=handle, g=group: g.gradient_ready(h))
+        for unit, uses in self._uses.items():
+            needed = []
+            for _, _, handle in uses:
+                group = groups[group_of[handle]]
+                if all(group is not seen for seen in needed):
+                    needed.append(group)
+            self._groups_of[unit] = needed
+        self.groups = list(groups.values())
 
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)
 
     # --- forward: gather, use, free ---------------------------------------------------------------------
 
-    def _before_forward(self, owner: nn.Module, inputs) -> None:
-        """Forward pre-hook: gather the owner's weights and show it the full ones in place of the slices."""
+    def _before_forward(self, unit: nn.Module, inputs) -> None:
+        """Forward pre-hook: gather the unit's weights and show its modules the full ones in place of the slices."""
         # BEGIN SOLUTION
-        # TODO(lab 8, part 2): for each (name, handle) in self._owned[owner]: handle.gather(), count
-        #   handle.users += 1, then owner.__dict__[name] = handle.unpadded_view() - an entry in the instance
-        #   __dict__ is found before nn.Module.__getattr__ looks in owner._parameters, so it hides the slice
-        for name, handle in self._owned[owner]:
-            handle.gather()
-            handle.users += 1
+        # TODO(lab 8, part 2): for each group in self._groups_of[unit]: group.gather() and count group.users += 1.
+        #   Then for each (owner, name, handle) in self._uses[unit]: owner.__dict__[name] = handle.unpadded_view() -
+        #   an entry in the instance __dict__ is found before nn.Module.__getattr__ looks in owner._parameters
+        for group in self._groups_of[unit]:
+            group.gather()
+            group.users += 1
+        for owner, name, handle in self._uses[unit]:
             owner.__dict__[name] = handle.unpadded_view()
         # END SOLUTION
 
-    def _after_forward(self, owner: nn.Module, inputs, output):
+    def _after_forward(self, unit: nn.Module, inputs, output):
         """Forward hook: hide and free the full weights; arrange for them to be gathered again in backward."""
         # BEGIN SOLUTION
-        # TODO(lab 8, part 2): for each (name, handle) of the owner: remove owner.__dict__[name], count
-        #   handle.users -= 1 and handle.release() when it reaches 0. Then, for every tensor in output (a tensor,
+        # TODO(lab 8, part 2): remove owner.__dict__[name] for each use of the unit; for each of its groups count
+        #   group.users -= 1 and group.release() when it reaches 0. Then, for every tensor in output (a tensor,
         #   or a tuple/list of them) that requires grad, tensor.register_hook(lambda grad:
-        #   self._before_backward(owner))
-        for name, handle in self._owned[owner]:
-            del owner.__dict__[name]
-            handle.users -= 1
-            if handle.users == 0:  # a tied or nested user may still be running
-                handle.release()
+        #   self._before_backward(unit))
+        for owner, name, _ in self._uses[unit]:
+            owner.__dict__.pop(name, None)  # a module used twice in the unit appears twice
+        for group in self._groups_of[unit]:
+            group.users -= 1
+            if group.users == 0:  # an enclosing unit may still be running
+                group.release()
         outputs = output if isinstance(output, (tuple, list)) else [output]
         for tensor in outputs:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(lambda grad: self._before_backward(owner))
+                tensor.register_hook(lambda grad: self._before_backward(unit))
         # END SOLUTION
 
-    # --- backward: gather again, reduce-scatter, free ---------------------------------------------------
+    # --- backward: gather again; the groups reduce-scatter themselves ------------------------------------
 
-    def _before_backward(self, owner: nn.Module) -> None:
-        """Runs when the gradient of the owner's output is ready, before the owner's backward needs its weights."""
+    def _before_backward(self, unit: nn.Module) -> None:
+        """Runs when the gradient of the unit's output is ready, before the unit's backward needs its weights."""
         # BEGIN SOLUTION
-        # TODO(lab 8, part 3): handle.gather() for each handle the owner uses (gather() skips one already there)
-        for _, handle in self._owned[owner]:
-            handle.gather()
-        # END SOLUTION
-
-    def _reduce_scatter(self, handle: ShardedParameter) -> None:
-        """Post-accumulate-grad hook of handle.full: its slice's .grad += average over ranks of the slice's gradient."""
-        # BEGIN SOLUTION
-        # TODO(lab 8, part 3): take full.grad as float32 divided by self.world_size (then the sum is the average),
-        #   reduce_scatter_single it (viewed flat) into a new tensor shaped like handle.shard (viewed flat); set or
-        #   add it to handle.shard.grad; then full.grad = None, handle.release(), handle.gradient_synchronized = True
-        gradient = handle.full.grad.to(torch.float32) / self.world_size
-        mine = torch.empty_like(handle.shard)
-        reduce_scatter_single(mine.view(-1), gradient.view(-1))
-        handle.shard.grad = mine if handle.shard.grad is None else handle.shard.grad + mine
-        handle.full.grad = None
-        handle.release()
-        handle.gradient_synchronized = True
+        # TODO(lab 8, part 3): group.gather() for each group the unit uses (gather() skips one already there)
+        for group in self._groups_of[unit]:
+            group.gather()
         # END SOLUTION
 
     def finish_gradient_synchronization(self) -> None:
         """Call after backward() and before optimizer.step(): every trainable parameter of .module then has a
         float32 .grad of its own (local) shape holding the average over ranks of its gradient."""
-        for handle in self.sharded.values():
-            if handle.shard.requires_grad and not handle.gradient_synchronized and handle.shard.grad is None:
-                handle.shard.grad = torch.zeros_like(handle.shard)  # no rank used it this step
-            handle.gradient_synchronized = False
-            handle.release()  # frozen weights gathered again for backward have no gradient hook to free them
+        for group in self.groups:
+            if len(group.gradients_pending) < sum(h.full.requires_grad for h in group.params):
+                group.reduce_scatter()  # some of its weights were not used this step: theirs count as zeros
+            elif any(h.shard.requires_grad and h.shard.grad is None for h in group.params):
+                for handle in group.params:  # no rank used the group this step
+                    if handle.shard.requires_grad and handle.shard.grad is None:
+                        handle.shard.grad = torch.zeros_like(handle.shard)
+            group.release()  # frozen weights gathered again for backward have no gradient hook to free them
         # BEGIN SOLUTION
-        # TODO(lab 8, part 3): for each trainable parameter in self.replicated (a missing .grad counts as zeros),
-        #   dist.all_reduce its .grad (a sum), then divide it by self.world_size - same order on every rank
-        for param in self.replicated:
-            if not param.requires_grad:
-                continue
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad)
-            param.grad.div_(self.world_size)
+        # TODO(lab 8, part 3): average the .grad of every trainable parameter in self.replicated over the ranks (a
+        #   missing .grad counts as zeros) with ONE dist.all_reduce of their concatenation, then give each parameter
+        #   its part back as .grad - one message instead of one per bias or norm gain
+        trainable = [param for param in self.replicated if param.requires_grad]
+        if not trainable:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in trainable])
+        dist.all_reduce(flat)  # a sum over ranks; every rank lists the parameters in the same order
+        flat.div_(self.world_size)
+        for param, part in zip(trainable, flat.split([p.numel() for p in trainable])):
+            param.grad = part.view_as(param)
         # END SOLUTION
 
     # --- the whole model --------------------------------------------------------------------------------

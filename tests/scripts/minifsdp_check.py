@@ -169,23 +169,32 @@ def train_and_compare(ctx, model_fn, optimizer, wrap=None, compute_dtype=None) -
 # --- wrong variants (negative controls) -----------------------------------------------------------------
 
 
-class SumNotAverageFSDP(minifsdp.FSDP):
+class SumNotAverageGroup(minifsdp.ShardGroup):
     """WRONG on purpose: reduce-scatters the sum of the ranks' gradients, not their average."""
 
-    def _reduce_scatter(self, handle):
-        gradient = handle.full.grad.to(torch.float32)
-        shard_grad = torch.empty_like(handle.shard)
-        minifsdp.reduce_scatter_single(shard_grad.view(-1), gradient.view(-1))
-        handle.shard.grad = shard_grad if handle.shard.grad is None else handle.shard.grad + shard_grad
-        handle.full.grad = None
-        handle.release()
-        handle.gradient_synchronized = True
+    def reduce_scatter(self):
+        trainable = [handle for handle in self.params if handle.full.requires_grad]
+        flat = torch.cat([h.full.grad.to(torch.float32).view(self.world_size, -1) for h in trainable], dim=1)
+        mine = torch.empty(flat.shape[1])
+        minifsdp.reduce_scatter_single(mine, flat.reshape(-1))
+        for handle, part in zip(trainable, mine.split([h.shard.numel() for h in trainable])):
+            handle.shard.grad = part.view_as(handle.shard)
+            handle.full.grad = None
+        self.release()
+        self.gradients_pending = set(trainable)
+
+
+class SumNotAverageFSDP(minifsdp.FSDP):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for group in self.groups:
+            group.__class__ = SumNotAverageGroup  # the hooks call group.reduce_scatter(): now the wrong one
 
 
 class NoRegatherFSDP(minifsdp.FSDP):
     """WRONG on purpose: frees the weights after forward and never gathers them again for backward."""
 
-    def _before_backward(self, owner):
+    def _before_backward(self, unit):
         pass
 
 
@@ -197,8 +206,14 @@ def sgd_matches_single(ctx):
     return difference <= TOLERANCE, f"max_rel_diff {difference:.2e} <= {TOLERANCE:.1e} {error}"
 
 
+def per_block(model, **kwargs):
+    """FSDP with each transformer block one unit (lab 8's configuration, as fully_shard(block) does)."""
+    return minifsdp.FSDP(model, units=list(model.blocks), **kwargs)
+
+
 def adamw_matches_single(ctx):
-    difference, error = train_and_compare(ctx, char_transformer, ADAMW)
+    """With units: one message per block and one for the rest (SGD above: one per weight matrix)."""
+    difference, error = train_and_compare(ctx, char_transformer, ADAMW, wrap=per_block)
     return difference <= TOLERANCE, f"max_rel_diff {difference:.2e} <= {TOLERANCE:.1e} {error}"
 
 
@@ -223,32 +238,36 @@ def gradients_local_float32_and_replicated_equal(ctx):
 
 def tied_weight_gathered_once(ctx):
     """The tied embedding is one slice, still shared by both modules; per step one gather in backward and one
-    reduce-scatter, however many modules use it."""
-    model = minifsdp.FSDP(build(char_transformer))
-    handle = model.sharded[model.module.token_embedding.weight]
-    counts = {"gather": 0, "reduce_scatter": 0}
-    original_gather, original_scatter = handle.gather, model._reduce_scatter
+    reduce-scatter, however many modules use it (units=None: each module is its own unit, so forward
+    gathers it once per using module; with both users in one unit, once)."""
+    found = []
+    for units in (None, "root"):
+        model = minifsdp.FSDP(build(char_transformer), units=None if units is None else [])
+        handle = model.sharded[model.module.token_embedding.weight]
+        group = next(g for g in model.groups if handle in g.params)
+        counts = {"gather": 0, "reduce_scatter": 0}
+        original_gather, original_scatter = group.gather, group.reduce_scatter
 
-    def counting_gather():
-        counts["gather"] += not handle.gathered  # gathers that really communicate
-        original_gather()
+        def counting_gather():
+            counts["gather"] += not group.gathered  # gathers that really communicate
+            original_gather()
 
-    def counting_scatter(h):
-        counts["reduce_scatter"] += h is handle
-        original_scatter(h)
+        def counting_scatter():
+            counts["reduce_scatter"] += 1
+            original_scatter()
 
-    handle.gather, model._reduce_scatter = counting_gather, counting_scatter
-    inputs, targets = batch(0)
-    logits = model(mine(ctx, inputs))
-    forward_gathers = counts["gather"]
-    loss_of(logits, mine(ctx, targets)).backward()
-    model.finish_gradient_synchronization()
-    backward_gathers = counts["gather"] - forward_gathers
-    still_tied = model.module.head.weight is model.module.token_embedding.weight
-    ok = still_tied and forward_gathers == TIED_USES and backward_gathers == 1 and counts["reduce_scatter"] == 1
-    return ok, (
-        f"still tied: {still_tied}; gathers in forward {forward_gathers} (one per using module), in backward "
-        f"{backward_gathers}; reduce-scatters {counts['reduce_scatter']}"
+        group.gather, group.reduce_scatter = counting_gather, counting_scatter
+        inputs, targets = batch(0)
+        logits = model(mine(ctx, inputs))
+        forward_gathers = counts["gather"]
+        loss_of(logits, mine(ctx, targets)).backward()
+        model.finish_gradient_synchronization()
+        still_tied = model.module.head.weight is model.module.token_embedding.weight
+        found.append((still_tied, forward_gathers, counts["gather"] - forward_gathers, counts["reduce_scatter"]))
+    expected = [(True, TIED_USES, 1, 1), (True, 1, 1, 1)]
+    return found == expected, "; ".join(
+        f"units={units}: still tied {tied}, gathers in forward {fwd}, in backward {bwd}, reduce-scatters {rs}"
+        for units, (tied, fwd, bwd, rs) in zip(("None", "[] (one root unit)"), found)
     )
 
 
@@ -256,7 +275,7 @@ def full_weights_only_around_use(ctx):
     """Inside a module's forward its weight is full-size, and it is the only full weight in memory; after
     forward, and after backward (before finish_gradient_synchronization()), no full weight is left."""
     model = minifsdp.FSDP(build(char_transformer))
-    gathered = lambda: sum(handle.gathered for handle in model.sharded.values())  # noqa: E731
+    gathered = lambda: sum(handle.gathered for handle in model.sharded.values())  # noqa: E731 (units=None)
     shapes, held = {}, []
     # Pre-hooks registered after FSDP's run after its gather: they see what the module's forward sees.
     for name, module in model.module.named_modules():
