@@ -1,6 +1,12 @@
 """Count non-zero exits of gloo jobs that did their work: the kinds of torchrun jobs the test suite launches.
 
     python benchmarks/teardown_stability.py [--runs 400] [--kinds lab3_sheet,lab6] [--parallel 1] [--keep DIR]
+    python benchmarks/teardown_stability.py --from-log LOG   # count the launches of a whole test run
+
+`--from-log` reads the launch log that ddp_course.launch writes when DDP_COURSE_LAUNCH_LOG=LOG is set
+(`DDP_COURSE_LAUNCH_LOG=/tmp/launches.jsonl pytest --nbval` logs every job the suite starts, notebooks
+included) and reports per script: launches, non-zero exits (the suite's negative tests exit non-zero on
+purpose), and crashes - aborts at exit and ranks killed by a signal - which must be 0.
 
 Every test and notebook that launches torchrun depends on its job exiting 0 once its work is done. A
 gloo job whose DDP model is still alive at destroy_process_group() can die at exit with "terminate
@@ -17,6 +23,7 @@ died. The exit status is 0 only when every launch exited 0.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -68,13 +75,36 @@ KINDS = (
 )  # fmt: skip
 
 
+def summarize_log(path: Path) -> int:
+    """Per script in a launch log: launches, non-zero exits, crashes. Exit status 1 if any launch crashed."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not records:
+        raise SystemExit(f"{path}: no launches logged (was DDP_COURSE_LAUNCH_LOG set for the run?)")
+    by_script: dict[str, list[dict]] = {}
+    for record in records:
+        by_script.setdefault(record["script"], []).append(record)
+    crashed = lambda r: r["aborted_at_exit"] or r["killed_by_signal"]  # noqa: E731
+    print(f"{'script':<32} launches  non-zero  timed out  crashes (abort at exit / signal)")
+    for script, runs in sorted(by_script.items()):
+        non_zero = sum(r["returncode"] != 0 for r in runs)
+        print(f"{script:<32} {len(runs):>8}  {non_zero:>8}  {sum(r['timed_out'] for r in runs):>9}  {sum(map(crashed, runs)):>8}")
+    crashes = [r for r in records if crashed(r)]
+    print(f"{len(records)} launches, {len(crashes)} crashed" + "".join(f"\n  crashed: {r['script']} ({r['launched_by']})" for r in crashes))
+    return 1 if crashes else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--from-log", type=Path, help="summarize a launch log (DDP_COURSE_LAUNCH_LOG) instead of launching")
     parser.add_argument("--runs", type=int, default=len(KINDS), help="launches in all, round-robin over the kinds")
     parser.add_argument("--kinds", help="comma-separated kind names (default: all)")
     parser.add_argument("--parallel", type=int, default=1, help="launches at once (2 loads a 2-core machine fully)")
     parser.add_argument("--keep", type=Path, help="where failed launches' outputs go (default: a temporary folder)")
     args = parser.parse_args()
+    if args.from_log:
+        if not args.from_log.is_file():
+            parser.error(f"--from-log {args.from_log}: no such file")
+        return summarize_log(args.from_log)
     kinds = [kind for kind in KINDS if not args.kinds or kind.name in args.kinds.split(",")]
     if not kinds or args.runs < 1 or args.parallel < 1:
         parser.error(f"need --runs >= 1, --parallel >= 1 and kinds from: {', '.join(kind.name for kind in KINDS)}")

@@ -9,11 +9,16 @@ CPU only unless asked: every launch hides the GPUs from the job (CUDA_VISIBLE_DE
 tests and notebooks run gloo on the CPU, and print what their stored outputs say, on a machine with
 GPUs too. Pass use_gpus=True (benchmarks/gpu_smoke.py, lab 5's sweep driver) to let the job see the
 GPUs the caller sees.
+
+Launch log: with DDP_COURSE_LAUNCH_LOG=PATH in the environment, every command run here appends one JSON
+line to PATH (the script, its exit status, whether it aborted at exit, the test that launched it), so a
+whole `pytest --nbval` run can be counted: `python benchmarks/teardown_stability.py --from-log PATH`.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -30,6 +35,7 @@ _JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
 HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
+LAUNCH_LOG_VARIABLE = "DDP_COURSE_LAUNCH_LOG"
 # What a gloo worker prints when it crashes during interpreter shutdown, after its work is done: a
 # rare upstream teardown bug that teardown_distributed() makes rare (about 1 in 200 launches on our
 # 2-core machines), not impossible. pytest.ini reruns a test once on exactly this text.
@@ -146,7 +152,7 @@ def run_command(
         _kill_job(process)
         stdout, stderr = process.communicate()
         timed_out = True
-    return RunResult(
+    result = RunResult(
         command=[str(part) for part in command],
         returncode=None if timed_out else process.returncode,
         stdout=stdout,
@@ -154,6 +160,26 @@ def run_command(
         wall_s=time.perf_counter() - start,
         timed_out=timed_out,
     )
+    if os.environ.get(LAUNCH_LOG_VARIABLE):
+        append_to_launch_log(os.environ[LAUNCH_LOG_VARIABLE], result)
+    return result
+
+
+def append_to_launch_log(path: str | Path, result: RunResult) -> None:
+    """One JSON line per finished command (see the module docstring), written in one call."""
+    script = next((Path(part).name for part in result.command if part.endswith(".py")), Path(result.command[-1]).name)
+    record = {
+        "script": script,
+        "returncode": result.returncode,
+        "timed_out": result.timed_out,
+        "aborted_at_exit": result.aborted_at_exit,
+        # torchrun's report of a rank that crashed (lab 7's injected faults use SIGKILL: not a crash here)
+        "killed_by_signal": any(f"Signal {n} (SIG{name})" in result.stderr for n, name in ((6, "ABRT"), (11, "SEGV"))),
+        "wall_s": round(result.wall_s, 2),
+        "launched_by": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0] or Path(sys.argv[0]).name,
+    }
+    with open(path, "a") as log:  # append mode: lines from parallel launches do not interleave
+        log.write(json.dumps(record) + "\n")
 
 
 def child_environment(parent: dict, threads_per_rank: int | None, env: dict | None, use_gpus: bool) -> dict:

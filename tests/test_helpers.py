@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ddp_course import checkpoint, cli, data, distributed, launch, models, reporting, seeding
 from ddp_course.compare import max_relative_difference
-from ddp_course.launch import REPO_ROOT, RunResult, run_torchrun
+from ddp_course.launch import REPO_ROOT, RunResult, import_script, run_torchrun
 
 SCRIPTS = REPO_ROOT / "tests" / "scripts"
 JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -461,3 +461,24 @@ def test_notebook_runner_refuses_bad_input_with_usage_and_status_2(capsys, argum
 
     assert notebooks.main(arguments) == 2
     assert "usage: python -m ddp_course.notebooks" in capsys.readouterr().err
+
+
+def test_launch_log_records_every_command_and_the_summary_counts_crashes(monkeypatch, tmp_path, capsys):
+    """DDP_COURSE_LAUNCH_LOG: one JSON line per command; --from-log counts crashes and fails on one."""
+    import json
+    import sys
+
+    log_path = tmp_path / "launches.jsonl"
+    monkeypatch.setenv(launch.LAUNCH_LOG_VARIABLE, str(log_path))
+    launch.run_command([sys.executable, "-c", "import sys; sys.exit(3)"], timeout_s=60)
+    crash = "terminate called without an active exception\nSignal 6 (SIGABRT) received by PID 7"
+    launch.run_command([sys.executable, "-c", f"import sys; sys.stderr.write({crash!r}); sys.exit(1)"], timeout_s=60)
+    first, second = (json.loads(line) for line in log_path.read_text().splitlines())
+    assert first["returncode"] == 3 and not first["aborted_at_exit"] and not first["killed_by_signal"]
+    assert second["aborted_at_exit"] and second["killed_by_signal"]
+    assert first["launched_by"].startswith("tests/test_helpers.py::")
+    stability = import_script(REPO_ROOT / "benchmarks" / "teardown_stability.py", "teardown_stability")
+    assert stability.summarize_log(log_path) == 1  # a crash makes the summary fail
+    assert "2 launches, 1 crashed" in capsys.readouterr().out
+    log_path.write_text(log_path.read_text().splitlines()[0] + "\n")
+    assert stability.summarize_log(log_path) == 0  # a plain non-zero exit (a negative test) is not a crash
