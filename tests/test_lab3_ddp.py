@@ -1,12 +1,14 @@
 """labs/lab3_ddp.py launched as a learner launches it: torchrun, 2 gloo ranks on the CPU.
 
-Launches are shared: each module-scoped fixture below runs its jobs once, asserts they exited
-cleanly (a failed launch is a setup error, which pytest.ini's rerun-on-exit-abort rule can retry),
-and several tests read the files and output of the same jobs.
+Launches are shared: each module-scoped fixture below runs its job once, asserts it exited cleanly
+(a failed launch is a setup error, which pytest.ini's rerun-on-exit-abort rule can retry), and
+several tests read the files and output of the same job. Every launch costs seconds of start-up, so
+the short runs share one 2-rank job (tests/scripts/lab3_runs.py: one run of train() per test case),
+and checks that need no second process run here (flag checks, the one-process reference run).
 """
 
+import json
 import re
-import shutil
 import textwrap
 
 import pytest
@@ -154,17 +156,100 @@ def test_save_moves_gpu_weights_to_the_cpu():
     assert all(isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" for tensor in saved.values())
 
 
+# --- short runs: one torchrun job for all of them ---------------------------------------------------
+
+# tests/scripts/lab3_runs.py runs lab 3's train() once per entry of a plan, in one 2-rank job: ten
+# short runs cost one job's start-up (seconds per launch) instead of ten. Each run is still a real
+# 2-rank run (DDP over gloo); main() and its exit codes are tested by this file's own launches.
+RUNS_SCRIPT = REPO_ROOT / "tests" / "scripts" / "lab3_runs.py"
+
+
+def run_plan(directory, runs, env=None, timeout_s=300):
+    """Launch lab3_runs.py with runs (a list of {"name", "args", ...}) on 2 ranks; return its RunResult."""
+    plan = directory / "plan.json"
+    as_text = [{**run, "args": [str(arg) for arg in run["args"]]} for run in runs]
+    plan.write_text(json.dumps(as_text, default=str, indent=1))
+    return run_torchrun(RUNS_SCRIPT, [LAB3, plan], nproc=2, timeout_s=timeout_s, env=env)
+
+
+def run_section(text, name):
+    """The part of a lab3_runs.py job's stdout or stderr between the markers of run name and the next run."""
+    sections = re.split(r"^=== run (\S+)\n", text, flags=re.MULTILINE)
+    found = dict(zip(sections[1::2], sections[2::2], strict=True))
+    assert name in found, f"no run {name} in:\n{text}"
+    return found[name]
+
+
+def run_outcome(result, name, expected="ok"):
+    """Check that every rank ended run name with expected ("ok" or "CourseError") in < 90 s; return its stdout."""
+    stdout = run_section(result.stdout, name)
+    outcomes = sorted(re.findall(rf"^\[rank (\d)\] run {name}: (\w+) in ([\d.]+) s$", stdout, flags=re.MULTILINE))
+    assert [(rank, outcome) for rank, outcome, _ in outcomes] == [("0", expected), ("1", expected)], result.describe()
+    # A rank stuck in a collective would wait for the group's timeout; a run here takes seconds.
+    assert all(float(seconds) < 90 for _, _, seconds in outcomes), result.describe()
+    return stdout
+
+
+def run_in_this_process(*args):
+    """Lab 3's main() without torchrun: a group of one process (setup_distributed's in-memory store).
+
+    On one thread, as every launched rank has (run_torchrun's threads_per_rank=1), so the one-process
+    reference takes the same CPU kernel paths as the 2-rank runs it is compared with.
+    """
+    lab3 = import_lab3()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert lab3.main(lab3.parse_args([str(arg) for arg in args])) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 # --- 2 ranks, with and without accumulation, equal one process on the same global batch -----------
 
 GLOBAL_BATCH = 384
 STEPS = 6  # 4 steps per epoch at a global batch of 384: epoch 1 and 2 steps of epoch 2
 # name: (processes, per-rank micro-batch, accumulation steps), all with the global batch 384
 SAME_GLOBAL_BATCH = {"one_process": (1, 384, 1), "two_ranks": (2, 192, 1), "k2": (2, 96, 2), "k3": (2, 64, 3)}
+DROPOUT_FLAGS = ["--dropout", 0.2, "--batch-size", 96, "--max-steps", STEPS]  # 8 batches per epoch: all in epoch 1
+
+
+def short_run_plan(directory):
+    """The 2-rank runs of the three sections below, in the order they depend on each other."""
+
+    def flags(name):
+        _, batch, accumulation = SAME_GLOBAL_BATCH[name]
+        return ["--batch-size", batch, "--accumulation-steps", accumulation]
+
+    def outputs(name):
+        return ["--save", directory / f"{name}.pt", "--metrics-json", directory / f"{name}.json"]
+
+    plan = [{"name": name, "args": [*flags(name), "--max-steps", STEPS, *outputs(name)]} for name in ("two_ranks", "k2", "k3")]
+    # 2 ranks x 96 without accumulation (global batch 192): the same micro-batches as k2, a step after each.
+    plan.append({"name": "half_global_batch", "args": ["--batch-size", 96, "--max-steps", STEPS, *outputs("half_global_batch")]})
+    for name in ("two_ranks", "k3"):  # stop after 3 steps, resume to 6
+        checkpoints = ["--checkpoint-dir", directory / f"{name}_checkpoints"]
+        plan.append({"name": f"{name}_first", "args": [*flags(name), *checkpoints, "--max-steps", 3, "--checkpoint-every", 2]})
+        plan.append({"name": f"{name}_resumed", "args": [*flags(name), *checkpoints, "--max-steps", STEPS, "--resume",
+                                                         "--save", directory / f"{name}_resumed.pt"]})  # fmt: skip
+    # 6 steps with dropout and a checkpoint every 2; then a resume from copies of checkpoints 2 and 4.
+    # Rank 1 plays a node of a shared filesystem that still lists the directory as it was before the
+    # newest save (NFS attribute caching): its latest_checkpoint() returns 2. Both are mid-epoch,
+    # where the resumed run makes a new DataLoader iterator that the uninterrupted run did not make.
+    straight = ["--checkpoint-dir", directory / "dropout_straight", "--checkpoint-every", 2]
+    plan.append({"name": "dropout_straight", "args": [*DROPOUT_FLAGS, *straight, "--save", directory / "dropout_straight.pt"]})
+    (directory / "dropout_resumed").mkdir()
+    copies = [[directory / "dropout_straight" / name, directory / "dropout_resumed" / name]
+              for name in (f"checkpoint_step{step:08d}.pt" for step in (2, 4))]  # fmt: skip
+    plan.append({"name": "dropout_resumed", "copy": copies, "stale_listing": True,
+                 "args": [*DROPOUT_FLAGS, "--checkpoint-dir", directory / "dropout_resumed", "--resume",
+                          "--save", directory / "dropout_resumed.pt"]})  # fmt: skip
+    return plan
 
 
 @pytest.fixture(scope="module")
-def equivalent_runs(run_lab3, tmp_path_factory):
-    """Five 6-step runs: four on the global batch 384, and 2 ranks x 96 without accumulation (192).
+def short_runs(tmp_path_factory):
+    """Ten 6-step (or 3-step) 2-rank runs in one job, and the one-process reference in this process.
 
     1,438 training digits on 2 ranks are 719 per rank per epoch (DistributedSampler needs no padding),
     and 719 is prime, so every per-rank batch size leaves a short last micro-batch:
@@ -176,38 +261,42 @@ def equivalent_runs(run_lab3, tmp_path_factory):
     comparison covers the epoch boundary. A mean loss per micro-batch divided by K gives each of the
     47 (or 15) samples of the short micro-batch 2x (or 4x) the weight of the others.
     """
-    directory = tmp_path_factory.mktemp("equivalence")
-    results = {}
-    for name, (nproc, batch, accumulation) in {**SAME_GLOBAL_BATCH, "half_global_batch": (2, 96, 1)}.items():
-        results[name] = launch(
-            run_lab3, "--batch-size", batch, "--accumulation-steps", accumulation, "--max-steps", STEPS,
-            "--save", directory / f"{name}.pt", "--metrics-json", directory / f"{name}.json", nproc=nproc,
-        )  # fmt: skip
-    return results, directory
+    directory = tmp_path_factory.mktemp("short_runs")
+    result = run_plan(directory, short_run_plan(directory))
+    assert result.ok, result.describe()
+    run_in_this_process("--batch-size", 384, "--max-steps", STEPS, "--save", directory / "one_process.pt",
+                        "--metrics-json", directory / "one_process.json")  # fmt: skip
+    return result, directory
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["two_ranks", "k2", "k3"])
-def test_two_ranks_equal_one_process_on_the_global_batch(equivalent_runs, read_json, name):
-    results, directory = equivalent_runs
+def test_two_ranks_equal_one_process_on_the_global_batch(short_runs, read_json, name):
+    result, directory = short_runs
     nproc, batch, accumulation = SAME_GLOBAL_BATCH[name]
-    assert f"batch={batch}/rank accumulation={accumulation} global_batch={GLOBAL_BATCH}" in results[name].stdout
+    stdout = run_outcome(result, name)
+    assert f"world_size={nproc} " in stdout
+    assert f"batch={batch}/rank accumulation={accumulation} global_batch={GLOBAL_BATCH}" in stdout
     metrics = read_json(directory / f"{name}.json")
-    assert (metrics["steps"], metrics["global_batch_size"], metrics["accumulation_steps"]) == (STEPS, GLOBAL_BATCH, accumulation)
+    assert (metrics["world_size"], metrics["steps"], metrics["global_batch_size"], metrics["accumulation_steps"]) == (
+        nproc, STEPS, GLOBAL_BATCH, accumulation,
+    )  # fmt: skip
     assert [entry["step"] for entry in metrics["epochs"]] == [4, 6]  # the run crossed the end of epoch 1
+    reference = read_json(directory / "one_process.json")
+    assert (reference["world_size"], reference["global_batch_size"]) == (1, GLOBAL_BATCH)
 
     difference = max_relative_difference(load_weights(directory / f"{name}.pt"), load_weights(directory / "one_process.pt"))
     assert difference < ROUNDING_TOLERANCE, f"{name}: max relative difference {difference:.2e}"
     # The printed train loss is the per-sample mean over the epoch, as one process computes it.
-    reference = read_json(directory / "one_process.json")["epochs"]
-    for entry, expected in zip(metrics["epochs"], reference, strict=True):
+    for entry, expected in zip(metrics["epochs"], reference["epochs"], strict=True):
         assert entry["train_loss"] == pytest.approx(expected["train_loss"], rel=ROUNDING_TOLERANCE)
 
 
 @pytest.mark.timeout(600)
-def test_the_equivalence_check_can_fail(equivalent_runs):
+def test_the_equivalence_check_can_fail(short_runs):
     """The tolerance is far below what training and a different global batch change."""
-    _, directory = equivalent_runs
+    result, directory = short_runs
+    run_outcome(result, "half_global_batch")
     one_process = load_weights(directory / "one_process.pt")
     seed_everything(0)
     assert max_relative_difference(one_process, DigitsCNN().state_dict()) > 1e-2  # the runs trained
@@ -226,43 +315,32 @@ def test_samples_in_group_counts_the_short_micro_batch():
 # --- stop, resume, and compare with the uninterrupted runs above ------------------------------------
 
 
-@pytest.fixture(scope="module")
-def resumed_runs(run_lab3, equivalent_runs):
-    """Stop after 3 steps, resume to 6; the uninterrupted 6-step runs are equivalent_runs' two_ranks and k3."""
-    _, directory = equivalent_runs
-    runs = {}
-    for name in ("two_ranks", "k3"):
-        _, batch, accumulation = SAME_GLOBAL_BATCH[name]
-        flags = ["--batch-size", batch, "--accumulation-steps", accumulation, "--checkpoint-dir", directory / f"{name}_checkpoints"]
-        first = launch(run_lab3, *flags, "--max-steps", 3, "--checkpoint-every", 2)
-        resumed = launch(run_lab3, *flags, "--max-steps", STEPS, "--resume", "--save", directory / f"{name}_resumed.pt")
-        runs[name] = (first, resumed)
-    return runs, directory
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["two_ranks", "k3"])
-def test_resume_continues_exactly(resumed_runs, name):
+def test_resume_continues_exactly(short_runs, name):
     """3 steps, stop, resume to 6 == 6 steps in one go, bit for bit, across the end of epoch 1.
 
     With K = 3 the checkpoint falls after 9 micro-batches (checkpoints are taken on optimizer steps,
     so a resume never splits a group), and the resumed part holds the short group 64 + 64 + 15.
     """
-    runs, directory = resumed_runs
-    _, resumed = runs[name]
-    assert "resumed from" in resumed.stdout and "step 3" in resumed.stdout
+    result, directory = short_runs
+    run_outcome(result, f"{name}_first")
+    resumed = run_outcome(result, f"{name}_resumed")
+    assert "resumed from" in resumed and "step 3" in resumed
     resumed_weights, straight_weights = load_weights(directory / f"{name}_resumed.pt"), load_weights(directory / f"{name}.pt")
     assert resumed_weights.keys() == straight_weights.keys()
     assert all(torch.equal(resumed_weights[name], straight_weights[name]) for name in straight_weights)
 
 
 @pytest.mark.timeout(600)
-def test_checkpoints_are_kept_where_training_continues(resumed_runs):
+def test_checkpoints_are_kept_where_training_continues(short_runs):
     """--checkpoint-every 2 saved step 2, the stop saved 3; the resumed run saved the epoch end (4) and 6.
 
     The newest three are kept; each is a plain, safely loadable training state.
     """
-    _, directory = resumed_runs
+    result, directory = short_runs
+    for name in ("two_ranks_first", "k3_first", "k3_resumed"):
+        run_outcome(result, name)
     checkpoints = directory / "k3_checkpoints"
     assert [path.name for path in list_checkpoints(checkpoints)] == [
         "checkpoint_step00000003.pt", "checkpoint_step00000004.pt", "checkpoint_step00000006.pt",
@@ -281,60 +359,27 @@ def test_checkpoints_are_kept_where_training_continues(resumed_runs):
 
 # --- dropout, and a rank that lists the checkpoint directory late -----------------------------------
 
-# Rank 1 plays a node of a shared filesystem that still lists the directory as it was before the
-# newest save (NFS attribute caching): its latest_checkpoint() returns the second newest file.
-STALE_LISTING = textwrap.dedent(
-    """
-    import os, sys
-    from ddp_course.checkpoint import list_checkpoints
-    from ddp_course.launch import import_script
-
-    lab = import_script(sys.argv[1])
-    sys.argv = sys.argv[1:]  # the lab's own name in its messages
-    if os.environ["RANK"] == "1":
-        lab.latest_checkpoint = lambda directory: list_checkpoints(directory)[-2]
-    sys.exit(lab.main(lab.parse_args(sys.argv[1:])))
-    """
-)
-DROPOUT_FLAGS = ["--dropout", 0.2, "--batch-size", 96, "--max-steps", STEPS]  # 8 batches per epoch: all in epoch 1
-
-
-@pytest.fixture(scope="module")
-def dropout_runs(run_lab3, tmp_path_factory):
-    """6 steps with dropout and a checkpoint every 2; then a resume from copies of checkpoints 2 and 4,
-    with rank 1 listing only 2. Both checkpoints are mid-epoch, where the resumed run makes a new
-    DataLoader iterator that the uninterrupted run did not make."""
-    directory = tmp_path_factory.mktemp("dropout")
-    straight = launch(run_lab3, *DROPOUT_FLAGS, "--checkpoint-dir", directory / "straight", "--checkpoint-every", 2,
-                      "--save", directory / "straight.pt")  # fmt: skip
-    (directory / "resumed").mkdir()
-    for step in (2, 4):
-        name = f"checkpoint_step{step:08d}.pt"
-        shutil.copy(directory / "straight" / name, directory / "resumed" / name)
-    driver = directory / "stale_listing.py"
-    driver.write_text(STALE_LISTING)
-    flags = [*DROPOUT_FLAGS, "--checkpoint-dir", directory / "resumed", "--resume", "--save", directory / "resumed.pt"]
-    resumed = run_torchrun(driver, [LAB3, *flags, "--timeout-s", 30], nproc=2, timeout_s=240)
-    return straight, resumed, directory
-
 
 @pytest.mark.timeout(600)
-def test_resume_with_dropout_and_a_stale_listing_continues_exactly(dropout_runs):
+def test_resume_with_dropout_and_a_stale_listing_continues_exactly(short_runs):
     """Both ranks resume from step 4, the one rank 0 chose, and draw the uninterrupted run's dropout masks."""
-    _, resumed, directory = dropout_runs
-    assert resumed.ok, resumed.describe()
-    assert re.search(r"resumed from \S+checkpoint_step00000004\.pt: epoch 0, step 4", resumed.stdout), resumed.describe()
-    resumed_weights, straight_weights = load_weights(directory / "resumed.pt"), load_weights(directory / "straight.pt")
+    result, directory = short_runs
+    run_outcome(result, "dropout_straight")
+    resumed = run_outcome(result, "dropout_resumed")
+    assert re.search(r"resumed from \S+checkpoint_step00000004\.pt: epoch 0, step 4", resumed), result.describe()
+    resumed_weights = load_weights(directory / "dropout_resumed.pt")
+    straight_weights = load_weights(directory / "dropout_straight.pt")
     assert resumed_weights.keys() == straight_weights.keys()
     assert all(torch.equal(resumed_weights[name], straight_weights[name]) for name in straight_weights)
 
 
 @pytest.mark.timeout(600)
-def test_the_dropout_run_differs_from_the_run_without_dropout(dropout_runs, equivalent_runs):
+def test_the_dropout_run_differs_from_the_run_without_dropout(short_runs):
     """2 ranks x 96, 6 steps, with dropout 0.2 against half_global_batch (the same without dropout)."""
-    straight, _, directory = dropout_runs
-    _, no_dropout = equivalent_runs
-    difference = max_relative_difference(load_weights(directory / "straight.pt"), load_weights(no_dropout / "half_global_batch.pt"))
+    result, directory = short_runs
+    run_outcome(result, "dropout_straight")
+    with_dropout, without = load_weights(directory / "dropout_straight.pt"), load_weights(directory / "half_global_batch.pt")
+    difference = max_relative_difference(with_dropout, without)
     assert difference > DIFFERENT_RESULT, f"dropout changed the weights by only {difference:.2e}"
 
 
@@ -422,14 +467,6 @@ def test_bad_flags_fail_with_one_line_under_torchrun(run_lab3, args, expected):
     assert_one_clear_error(run_lab3(*args), expected)
 
 
-@pytest.mark.timeout(60)
-def test_missing_cifar10_while_offline_fails_with_advice(run_lab3, tmp_path):
-    # An unreachable proxy makes the download fail at once, online or not, so no test downloads 170 MB.
-    offline = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "no_proxy": ""}
-    result = run_lab3("--dataset", "cifar10", "--data-dir", tmp_path / "cifar", env=offline)
-    assert_one_clear_error(result, r"CIFAR-10 is not in .*could not be downloaded.*On a machine with internet run")
-
-
 def write_checkpoint(directory, state, step=10):
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"checkpoint_step{step:08d}.pt"
@@ -450,18 +487,7 @@ def valid_state(model_name="digits_cnn", weights=None):
     }  # fmt: skip
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    ("case", "expected"),
-    [
-        ("corrupt", r"cannot load checkpoint .*corrupt or not a checkpoint"),
-        ("other_model_name", r"holds a resnet18 model, but this run trains digits_cnn"),
-        ("other_model_weights", r"does not fit this model"),
-        ("not_a_training_checkpoint", r"not a training checkpoint of this lab \(missing"),
-    ],
-)
-def test_unusable_checkpoint_fails_and_is_left_untouched(run_lab3, tmp_path, case, expected):
-    directory = tmp_path / "checkpoints"
+def write_unusable_checkpoint(directory, case):
     if case == "corrupt":
         directory.mkdir()
         (directory / "checkpoint_step00000010.pt").write_bytes(b"PK\x03\x04 this is not a torch file")
@@ -471,11 +497,61 @@ def test_unusable_checkpoint_fails_and_is_left_untouched(run_lab3, tmp_path, cas
         write_checkpoint(directory, valid_state(weights=torch.nn.Linear(64, 10).state_dict()))
     else:
         write_checkpoint(directory, DigitsCNN().state_dict())  # a --save file, not a training state
-    before = snapshot(directory)
 
-    result = run_lab3("--checkpoint-dir", directory, "--resume", "--checkpoint-every", "1")
-    assert_one_clear_error(result, expected)
-    assert snapshot(directory) == before  # nothing overwritten, deleted or added
+
+UNUSABLE_CHECKPOINTS = {
+    "corrupt": r"cannot load checkpoint .*corrupt or not a checkpoint",
+    "other_model_name": r"holds a resnet18 model, but this run trains digits_cnn",
+    "other_model_weights": r"does not fit this model",
+    "not_a_training_checkpoint": r"not a training checkpoint of this lab \(missing",
+}
+
+
+@pytest.fixture(scope="module")
+def refused_runs(tmp_path_factory):
+    """Missing CIFAR-10 and the unusable checkpoints, each a run of one 2-rank job (tests/scripts/lab3_runs.py).
+
+    Every case fails inside train() on every rank and raises a CourseError, which main() turns into
+    one line and exit 1; that path through torchrun is launched for real by the tests above (--amp)
+    and below (a fresh run into a directory with checkpoints).
+    """
+    directory = tmp_path_factory.mktemp("refused")
+    plan = [{"name": "missing_cifar10", "args": ["--dataset", "cifar10", "--data-dir", directory / "cifar"]}]
+    before = {}
+    for case in UNUSABLE_CHECKPOINTS:
+        checkpoints = directory / case
+        write_unusable_checkpoint(checkpoints, case)
+        before[case] = snapshot(checkpoints)
+        plan.append({"name": case, "args": ["--checkpoint-dir", checkpoints, "--resume", "--checkpoint-every", 1]})
+    # An unreachable proxy makes the download fail at once, online or not, so no test downloads 170 MB.
+    offline = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "no_proxy": ""}
+    result = run_plan(directory, plan, env=offline, timeout_s=180)
+    assert result.ok, result.describe()
+    return result, directory, before
+
+
+def assert_every_rank_refused(result, name, expected):
+    """Every rank stopped the run with a CourseError, soon; rank 0 printed one error line; no traceback."""
+    run_outcome(result, name, expected="CourseError")
+    script_errors = [line for line in run_section(result.stderr, name).splitlines() if line.startswith("lab3_ddp.py: error:")]
+    assert len(script_errors) == 1, result.describe()
+    assert re.search(expected, script_errors[0]), result.describe()
+    assert "Traceback" not in result.stderr, result.describe()
+
+
+@pytest.mark.timeout(200)
+def test_missing_cifar10_while_offline_fails_with_advice(refused_runs):
+    result, _, _ = refused_runs
+    expected = r"CIFAR-10 is not in .*could not be downloaded.*On a machine with internet run"
+    assert_every_rank_refused(result, "missing_cifar10", expected)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("case", "expected"), UNUSABLE_CHECKPOINTS.items())
+def test_unusable_checkpoint_fails_and_is_left_untouched(refused_runs, case, expected):
+    result, directory, before = refused_runs
+    assert_every_rank_refused(result, case, expected)
+    assert snapshot(directory / case) == before[case]  # nothing overwritten, deleted or added
 
 
 @pytest.mark.timeout(60)
