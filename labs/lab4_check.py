@@ -3,6 +3,7 @@
     python labs/lab4_check.py                            # checks labs/lab4_broken_ddp.py
     python labs/lab4_check.py path/to/your_fixed_copy.py
     python labs/lab4_check.py --show-output SCRIPT       # also print what the script itself printed
+    python labs/lab4_check.py --job-timeout-s 120 SCRIPT # a slow machine: give the whole job longer
 
 The script runs under torchrun with 2 gloo ranks on the CPU, launched through labs/lab4_observe.py,
 which records every batch each rank read, the first optimizer steps' parameters and gradients, and
@@ -15,7 +16,8 @@ ddp_course.data.load_digits() and read its data with DataLoaders in the main pro
 One line per check: PASS, FAIL with the evidence and a hint about the concept involved, or BLOCKED
 with the reason the check could not be observed (the job died before it). Exit status 0 only when
 all seven pass. A job that hangs is stopped: the script gets a short --timeout-s, and the whole run
-is killed after JOB_TIMEOUT_S seconds. A check takes about 20 s on a quiet 2-core CPU.
+is killed after --job-timeout-s seconds (default JOB_TIMEOUT_S). A check takes about 20 s on a quiet
+2-core CPU.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from ddp_course.cli import CourseArgumentParser
+from ddp_course.cli import CourseArgumentParser, positive_float
 from ddp_course.data import load_digits
 from ddp_course.launch import REPO_ROOT, RunResult, run_torchrun
 from ddp_course.models import DigitsCNN
@@ -395,9 +397,9 @@ def check_collectives(obs: Observation) -> Verdict:
     return Verdict(5, "PASS", f"every rank made the same {calls} collective calls, in the same order, and the job finished")
 
 
-def check(script: Path, out_dir: Path, rescue: bool = True) -> tuple[Observation, list[Verdict]]:
-    """Run script under observation and decide the seven checks, in order."""
-    obs = observe(script, out_dir, rescue)
+def check(script: Path, out_dir: Path, rescue: bool = True, job_timeout_s: float | None = None) -> tuple[Observation, list[Verdict]]:
+    """Run script under observation and decide the seven checks, in order (job_timeout_s None: JOB_TIMEOUT_S)."""
+    obs = observe(script, out_dir, rescue, timeout_s=job_timeout_s)
     splits = load_digits()
     steps, problem = gradient_steps(obs, splits.train)
     scale_verdict, scale = check_gradient_scale(steps, problem, obs)
@@ -422,6 +424,10 @@ def main(argv=None) -> int:
         "--no-rescue", action="store_true",
         help="let unmatched collectives run as they would unobserved (the job then waits for --timeout-s and dies)",
     )  # fmt: skip
+    parser.add_argument(
+        "--job-timeout-s", type=positive_float, default=JOB_TIMEOUT_S, metavar="SECONDS",
+        help=f"kill the whole job after this many seconds (default {JOB_TIMEOUT_S}; more on a slow machine)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     script = Path(args.script)
     if not script.is_absolute() and not script.exists():
@@ -431,7 +437,7 @@ def main(argv=None) -> int:
 
     print(f"lab 4 checker: {args.script} under torchrun, {WORLD_SIZE} gloo ranks on the CPU: {' '.join(SCRIPT_ARGS)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="lab4_check_") as out_dir:
-        obs, verdicts = check(script.resolve(), Path(out_dir), rescue=not args.no_rescue)
+        obs, verdicts = check(script.resolve(), Path(out_dir), rescue=not args.no_rescue, job_timeout_s=args.job_timeout_s)
     if args.show_output:
         print(f"--- the script's stdout\n{obs.run.stdout}--- its stderr\n{obs.run.stderr}--- end of the script's output")
     print(f"the job {obs.ended()}")

@@ -1,14 +1,20 @@
 """Lab 4: the checker finds every planted bug from what the script does, and only that bug.
 
-Each test launches a real torchrun job (2 gloo ranks on the CPU) through labs/lab4_check.py, which
+Each test reads a real torchrun job (2 gloo ranks on the CPU) run through labs/lab4_check.py, which
 runs the script under labs/lab4_observe.py. The copies with one bug are made here from the solution,
 with the same edits that turn the solution into labs/lab4_broken_ddp.py, so the exercise, the
 solution and these tests cannot drift apart.
+
+Every launch of the file starts in one module fixture, `jobs`, 4 at a time: two of the jobs spend
+most of their time waiting (for gloo's timeout, for the checker's limit), and meanwhile the 2 cores
+run the others. One after another, the same launches took over 2 minutes.
 """
 
 import ast
+import functools
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -62,6 +68,18 @@ EVIDENCE = {
 }  # fmt: skip
 LINE = re.compile(r"^(\d) (\S+) +(PASS|FAIL|BLOCKED) +(.*)$")
 
+# The checker's limit for the job that hangs: below its default (JOB_TIMEOUT_S, 60 s), so the test
+# sees the limit it was given, and far above the job's training (10 to 25 s with 3 other jobs running).
+HUNG_JOB_LIMIT_S = 45
+# (command after `python`, the one error line it must print)
+BAD_COMMAND_LINES = [
+    ([str(CHECKER), "no_such_script.py"], r"^lab4_check\.py: error: no such script: no_such_script\.py$"),
+    ([str(CHECKER), "--verbose"], r"^lab4_check\.py: error: unrecognized arguments: --verbose$"),
+    ([str(CHECKER), "--job-timeout-s", "0"], r"^lab4_check\.py: error: argument --job-timeout-s: must be a positive number, got 0$"),
+    ([str(BROKEN), "--timeout-s", "0"], r"^lab4_broken_ddp\.py: error: argument --timeout-s: must be a positive number, got 0$"),
+    ([str(SOLUTION), "--batch-size", "many"], r"^lab4_broken_ddp\.py: error: argument --batch-size: must be an integer, got 'many'$"),
+]  # fmt: skip
+
 
 def with_bugs(source: str, bugs) -> str:
     for bug in bugs:
@@ -69,6 +87,10 @@ def with_bugs(source: str, bugs) -> str:
         assert source.count(old) == 1, f"bug {bug}: the solution must contain its text exactly once: {old!r}"
         source = source.replace(old, new)
     return source
+
+
+def solution_with(bugs) -> str:
+    return with_bugs(SOLUTION.read_text(), bugs)
 
 
 def code_without_docstring(source: str) -> str:
@@ -97,17 +119,55 @@ def checker():
     return import_script(CHECKER)
 
 
-def check_in_process(checker, script, out_dir, rescue=True) -> tuple[object, dict[int, str]]:
-    out_dir.mkdir()
-    observation, verdicts = checker.check(script, out_dir, rescue=rescue)
-    lines = "\n".join(verdict.line() for verdict in verdicts)
-    return observation, verdict_lines(lines)
+def hung_solution() -> str:
+    """The solution, stuck after training (weights saved) and before writing its metrics."""
+    source, before = SOLUTION.read_text(), "        if args.metrics_json and ctx.is_main:\n"
+    assert source.count(before) == 1, f"the solution must contain this line exactly once: {before!r}"
+    return source.replace(before, "        time.sleep(3600)  # stuck after training, before writing the metrics\n" + before)
 
 
 @pytest.fixture(scope="module")
-def broken_check(checker, tmp_path_factory):
-    """The checker's command-line run on labs/lab4_broken_ddp.py, shared by the tests that read it."""
-    return run_command([sys.executable, str(CHECKER)], timeout_s=150)
+def jobs(checker, tmp_path_factory):
+    """Every launch of this file, started at once and run 3 at a time: {name: Future}.
+
+    A test waits for its own job's result (a failed job fails only its test). A check runs in this
+    process (checker.check saves the checker's start-up) and gives (Observation, its seven lines);
+    the command-line runs give RunResults. The two jobs that mostly wait go first.
+    """
+
+    def check(name: str, script=None, make_source=None, **options):
+        folder = tmp_path_factory.mktemp(name)  # a new folder for every attempt
+        if make_source:  # the copy is written here, in the job: a missing edit fails only its test
+            script = folder / "lab4_broken_ddp.py"  # the exercise's file name
+            script.write_text(make_source())
+        (folder / "observed").mkdir()
+        observation, verdicts = checker.check(script, folder / "observed", **options)
+        return observation, "\n".join(verdict.line() for verdict in verdicts)
+
+    # 3 jobs of 3 processes at a time: the 2 cores stay busy while one job waits, and every job keeps
+    # about 2x headroom under its time limit on a slower machine. A rank that crashes at exit fails its
+    # test: no relaunch here, and none by pytest (a rerun would only read this result again).
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {
+            "hung": pool.submit(check, "hung", make_source=hung_solution, job_timeout_s=HUNG_JOB_LIMIT_S),
+            "unrescued": pool.submit(check, "unrescued", BROKEN, rescue=False),
+            "broken": pool.submit(run_command, [sys.executable, str(CHECKER)], timeout_s=150),
+            "solution": pool.submit(run_command, [sys.executable, str(CHECKER), str(SOLUTION)], timeout_s=120),
+        }
+        for bug in sorted(BUGS):
+            futures[bug] = pool.submit(check, f"bug{bug}", make_source=functools.partial(solution_with, [bug]))
+        minimal = REPO_ROOT / "labs" / "lab4_minimal_hang.py"
+        detail = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+        futures["minimal"] = pool.submit(run_torchrun, minimal, [], nproc=2, timeout_s=120, env=detail)
+        for command, _ in BAD_COMMAND_LINES:
+            futures[tuple(command)] = pool.submit(run_command, [sys.executable, *command], timeout_s=50)
+        yield futures  # leaving the block waits for every job, also when a test failed
+
+
+def checked(jobs, name) -> tuple[object, dict[int, str]]:
+    """(Observation, {check: 'STATUS evidence'}) of a job that jobs ran through checker.check."""
+    observation, lines = jobs[name].result()
+    return observation, verdict_lines(lines)
 
 
 def test_broken_script_is_the_solution_with_the_seven_bugs_put_back():
@@ -120,8 +180,9 @@ def test_broken_script_is_the_solution_with_the_seven_bugs_put_back():
     assert not re.search(r"zero_grad|set_epoch|module\.|DistributedSampler|all_reduce|world_size\)", docstring)
 
 
-@pytest.mark.timeout(180)
-def test_checker_fails_the_broken_script_with_evidence(broken_check):
+@pytest.mark.timeout(300)  # this and the tests below may wait for the jobs queued before theirs
+def test_checker_fails_the_broken_script_with_evidence(jobs):
+    broken_check = jobs["broken"].result()
     assert broken_check.returncode == 1, broken_check.describe()
     assert "the job finished" in broken_check.stdout, broken_check.describe()
     verdicts = verdict_lines(broken_check.stdout)
@@ -133,10 +194,10 @@ def test_checker_fails_the_broken_script_with_evidence(broken_check):
     assert "result: 1 passed, 6 failed, 0 blocked of 7 checks" in broken_check.stdout
 
 
-@pytest.mark.timeout(180)
-def test_when_the_hang_kills_the_job_later_checks_are_blocked_not_guessed(checker, tmp_path):
+@pytest.mark.timeout(300)
+def test_when_the_hang_kills_the_job_later_checks_are_blocked_not_guessed(jobs):
     """Unrescued, the broken job hangs at the end of epoch 0 and dies at --timeout-s."""
-    observation, verdicts = check_in_process(checker, BROKEN, tmp_path / "observed", rescue=False)
+    observation, verdicts = checked(jobs, "unrescued")
     assert not observation.run.ok and not observation.run.timed_out, observation.run.describe()
     # Both ranks time out; the one that gives up second may instead see its peer's connection close,
     # or be stopped by torchrun before it records anything.
@@ -155,9 +216,9 @@ def test_when_the_hang_kills_the_job_later_checks_are_blocked_not_guessed(checke
     assert re.fullmatch(f"BLOCKED no --metrics-json: {died} before writing it", verdicts[6]), verdicts[6]
 
 
-@pytest.mark.timeout(150)
-def test_solution_passes_all_seven_checks():
-    result = run_command([sys.executable, str(CHECKER), str(SOLUTION)], timeout_s=120)
+@pytest.mark.timeout(300)
+def test_solution_passes_all_seven_checks(jobs):
+    result = jobs["solution"].result()
     assert result.returncode == 0, result.describe()
     verdicts = verdict_lines(result.stdout)
     assert all(line.startswith("PASS ") for line in verdicts.values()), result.stdout
@@ -166,57 +227,42 @@ def test_solution_passes_all_seven_checks():
     assert "result: 7 passed, 0 failed, 0 blocked of 7 checks" in result.stdout
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("bug", sorted(BUGS))
-def test_each_bug_alone_fails_its_check_and_only_it(checker, tmp_path, bug):
-    script = tmp_path / "lab4_broken_ddp.py"
-    script.write_text(with_bugs(SOLUTION.read_text(), [bug]))
-    observation, verdicts = check_in_process(checker, script, tmp_path / "observed")
+def test_each_bug_alone_fails_its_check_and_only_it(jobs, bug):
+    """A job of its own for each bug: the solution with that one edit (see jobs)."""
+    observation, verdicts = checked(jobs, bug)
     assert observation.run.ok, observation.run.describe()
     assert re.match(EVIDENCE[bug], verdicts[bug]), verdicts[bug]
     others = {number: line for number, line in verdicts.items() if number != bug}
     assert all(line.startswith("PASS ") for line in others.values()), others
 
 
-@pytest.mark.timeout(150)
-def test_a_job_that_hangs_is_killed_and_reported(checker, tmp_path, monkeypatch):
-    """A hang outside any collective: the checker kills the job at its own limit and says so."""
-    monkeypatch.setattr(checker, "JOB_TIMEOUT_S", 30)
-    hung = SOLUTION.read_text().replace(
-        "        if args.metrics_json and ctx.is_main:\n",
-        "        time.sleep(3600)  # stuck after training, before writing the metrics\n        if args.metrics_json and ctx.is_main:\n",
-    )
-    script = tmp_path / "lab4_hangs.py"
-    script.write_text(hung)
-    observation, verdicts = check_in_process(checker, script, tmp_path / "observed")
-    assert observation.run.timed_out and observation.run.wall_s < 60, observation.run.describe()
-    assert verdicts[5] == "FAIL the job hung and was killed after 30 s: no rank was inside a collective called from Python"
-    assert verdicts[6] == "BLOCKED no --metrics-json: the job hung and was killed after 30 s before writing it"
+@pytest.mark.timeout(300)
+def test_a_job_that_hangs_is_killed_and_reported(checker, jobs):
+    """A hang outside any collective: the checker kills the job at the limit it was given and says so."""
+    observation, verdicts = checked(jobs, "hung")
+    # Killed at its own limit (HUNG_JOB_LIMIT_S), well before the checker's default one.
+    assert observation.run.timed_out and observation.run.wall_s < checker.JOB_TIMEOUT_S, observation.run.describe()
+    killed = f"the job hung and was killed after {HUNG_JOB_LIMIT_S} s"
+    assert verdicts[5] == f"FAIL {killed}: no rank was inside a collective called from Python"
+    assert verdicts[6] == f"BLOCKED no --metrics-json: {killed} before writing it"
     for number in (1, 2, 3, 4, 7):  # all observed before the hang
         assert verdicts[number].startswith("PASS "), verdicts[number]
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    ("command", "expected"),
-    [
-        ([str(CHECKER), "no_such_script.py"], r"^lab4_check\.py: error: no such script: no_such_script\.py$"),
-        ([str(CHECKER), "--verbose"], r"^lab4_check\.py: error: unrecognized arguments: --verbose$"),
-        ([str(BROKEN), "--timeout-s", "0"], r"^lab4_broken_ddp\.py: error: argument --timeout-s: must be a positive number, got 0$"),
-        ([str(SOLUTION), "--batch-size", "many"], r"^lab4_broken_ddp\.py: error: argument --batch-size: must be an integer, got 'many'$"),
-    ],
-)
-def test_bad_command_lines_fail_with_one_line(command, expected):
-    result = run_command([sys.executable, *command], timeout_s=50)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("command", "expected"), BAD_COMMAND_LINES)
+def test_bad_command_lines_fail_with_one_line(jobs, command, expected):
+    result = jobs[tuple(command)].result()
     assert result.returncode == 2 and not result.stdout, result.describe()
     assert re.match(expected, result.stderr.strip()) and len(result.stderr.strip().splitlines()) == 1, result.describe()
 
 
-@pytest.mark.timeout(150)
-def test_detail_mode_names_each_ranks_collective_in_the_minimal_hang():
+@pytest.mark.timeout(300)
+def test_detail_mode_names_each_ranks_collective_in_the_minimal_hang(jobs):
     """The sheet's reproduction: with DETAIL both ranks stop at once, each naming its own collective."""
-    minimal = REPO_ROOT / "labs" / "lab4_minimal_hang.py"
-    result = run_torchrun(minimal, [], nproc=2, timeout_s=120, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    result = jobs["minimal"].result()
     # Stopped by DETAIL's check, not by the 30 s timeout: a fact about the output, not the clock (on a
     # loaded machine the start-up alone can take many seconds).
     assert result.returncode == 1 and "Timed out" not in result.stdout + result.stderr, result.describe()
