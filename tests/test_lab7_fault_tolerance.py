@@ -4,14 +4,20 @@ The sampler tests run in this process. The lab's launches are shared through mod
 one uninterrupted run and three crash-and-restart runs of a model with dropout
 (benchmarks/lab7_crash_trials.py's trial functions, so the test and the 10-trial benchmark judge
 alike), two resumes in which rank 1 plays a node with a stale view of the checkpoint directory,
-and one elastic job of two agents that loses one. Under load on a 2-core machine a launch takes
-30-80 s, hence the timeouts.
+one elastic job of two agents that loses one, and two launches the lab refuses.
+
+The `launches` fixture starts all nine at once, in threads: the elastic job spends most of its
+time waiting (for the rendezvous's heartbeat and last-call timeouts) and the others use that time,
+so the module takes about as long as its slowest chain (the uninterrupted run, then the two
+resumes from its checkpoints) instead of the sum. Under that load a launch takes 15-120 s, hence
+the timeouts.
 """
 
 import json
 import re
 import shutil
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -113,11 +119,38 @@ def trials():
 
 
 @pytest.fixture(scope="module")
-def crash_runs(trials, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("crash_trials")
-    reference = trials.uninterrupted_run(directory)
+def launches(trials, tmp_path_factory):
+    """{name: Future} of every launch in this module, all started together (module docstring).
+
+    The elastic job starts first, alone: its second agent must join the rendezvous within the
+    first agent's last call (RENDEZVOUS_CONF), which a machine busy starting eight other jobs could
+    exceed. The others start once both of its workers train.
+    """
+    crash_dir, elastic_dir = tmp_path_factory.mktemp("crash_trials"), tmp_path_factory.mktemp("elastic")
+    no_variable_dir, no_such_rank_dir = tmp_path_factory.mktemp("no_variable"), tmp_path_factory.mktemp("no_such_rank")
+    with ThreadPoolExecutor(max_workers=10, thread_name_prefix="lab7") as pool:
+        futures = {"elastic": pool.submit(elastic_launch, elastic_dir)}
+
+        def two_ranks_train():  # rank 1 writes its sample file once the rendezvous has closed
+            return any((elastic_dir / "samples").glob("samples_attempt*_rank1.jsonl")) or futures["elastic"].done()
+
+        wait_until(two_ranks_train, 300)
+        futures["reference"] = pool.submit(trials.uninterrupted_run, crash_dir)
+        for crash in CRASHES:
+            futures[crash] = pool.submit(trials.crash_run, crash_dir, *crash)
+        for stale in ("listing", "file"):  # they resume from the reference's checkpoints: they wait for it
+            futures[stale] = pool.submit(stale_node_launch, crash_dir, trials, stale, futures["reference"])
+        futures["no variable"] = pool.submit(launch_without_the_variable, no_variable_dir)
+        futures["no such rank"] = pool.submit(launch_with_a_missing_crash_rank, no_such_rank_dir)
+        yield {"crash_dir": crash_dir, "elastic_dir": elastic_dir, "no_variable_dir": no_variable_dir, **futures}
+        # Leaving the `with` waits for every launch; each has a deadline (run_torchrun's timeout_s).
+
+
+@pytest.fixture(scope="module")
+def crash_runs(launches):
+    reference = launches["reference"].result()
     assert reference.ok, reference.describe()
-    return directory, reference, {crash: trials.crash_run(directory, *crash) for crash in CRASHES}
+    return launches["crash_dir"], reference, {crash: launches[crash].result() for crash in CRASHES}
 
 
 @pytest.mark.timeout(1800)
@@ -198,21 +231,23 @@ STALE_NODE = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def stale_node_runs(crash_runs, trials):
+def stale_node_launch(directory, trials, stale, reference):
     """Resume to step 30 from copies of the uninterrupted run's checkpoints 20 and 25 (and its progress)."""
-    directory, _, _ = crash_runs
-    driver = directory / "stale_node.py"
+    if not reference.result().ok:
+        pytest.fail("no checkpoints to resume from: the uninterrupted run failed")
+    driver = directory / f"stale_node_{stale}.py"
     driver.write_text(STALE_NODE)
-    results = {}
-    for stale in ("listing", "file"):
-        checkpoints = directory / f"stale_{stale}_checkpoints"  # the directory trials.lab7_flags names
-        checkpoints.mkdir()
-        for name in ("checkpoint_step00000020.pt", "checkpoint_step00000025.pt", "progress.json"):
-            shutil.copy(directory / "straight_checkpoints" / name, checkpoints / name)
-        flags = [*trials.lab7_flags(directory, f"stale_{stale}"), "--timeout-s", 30]  # the later --timeout-s wins
-        results[stale] = run_torchrun(driver, [stale, LAB7, *flags], nproc=2, timeout_s=300, env=RESTART_SAFE_ENV)
-    return directory, results
+    checkpoints = directory / f"stale_{stale}_checkpoints"  # the directory trials.lab7_flags names
+    checkpoints.mkdir()
+    for name in ("checkpoint_step00000020.pt", "checkpoint_step00000025.pt", "progress.json"):
+        shutil.copy(directory / "straight_checkpoints" / name, checkpoints / name)
+    flags = [*trials.lab7_flags(directory, f"stale_{stale}"), "--timeout-s", 30]  # the later --timeout-s wins
+    return run_torchrun(driver, [stale, LAB7, *flags], nproc=2, timeout_s=300, env=RESTART_SAFE_ENV)
+
+
+@pytest.fixture(scope="module")
+def stale_node_runs(launches):
+    return launches["crash_dir"], {stale: launches[stale].result() for stale in ("listing", "file")}
 
 
 @pytest.mark.timeout(1800)
@@ -255,21 +290,26 @@ def effective_steps(sample_dir: Path) -> dict[int, list[dict]]:
     return {step: attempts[max(attempts)] for step, attempts in sorted(by_attempt.items())}
 
 
-@pytest.fixture(scope="module")
-def elastic_run(tmp_path_factory):
+# Most of the elastic job is the surviving agent waiting: for B's heartbeats to expire (every 5 s,
+# 3 missed by default: 15 s), then a last call for more nodes (30 s by default) before it goes on
+# alone. Heartbeats every 2 s and a 15 s last call halve that. The last call also bounds how long
+# the first round waits for agent B once A listens: 15 s is still several times B's start-up.
+RENDEZVOUS_CONF = "last_call_timeout=15,keep_alive_interval=2,keep_alive_max_attempt=3"
+
+
+def elastic_launch(directory):
     """Agent A starts (and hosts the rendezvous), agent B joins; B and its worker are killed after step 10.
 
     --nnodes=1:2: A's worker fails, A restarts it, the new rendezvous closes with A alone, and the
     job finishes epoch 1 with world size 1 from the newest checkpoint.
     """
-    directory = tmp_path_factory.mktemp("elastic")
     port = free_port()
     flags = [
         "--checkpoint-dir", directory / "checkpoints", "--record-samples", directory / "samples", "--epochs", 1,
         "--step-delay-s", 0.2, "--timeout-s", 30, "--metrics-json", directory / "metrics.json",
     ]  # fmt: skip
     command = agent_command(LAB7, flags, nnodes="1:2", endpoint=f"127.0.0.1:{port}", rdzv_id="lab7_elastic",
-                            torchrun_args=["--max-restarts=3"])  # fmt: skip
+                            torchrun_args=["--max-restarts=3", f"--rdzv-conf={RENDEZVOUS_CONF}"])  # fmt: skip
     first, second = Agent(command, env=RESTART_SAFE_ENV), None
     try:
         assert wait_until(lambda: port_is_open("127.0.0.1", port), 120), "agent A never hosted the rendezvous"
@@ -282,8 +322,14 @@ def elastic_run(tmp_path_factory):
         for agent in (first, second):
             if agent is not None and agent.process.poll() is None:
                 agent.lose_node()
+    return result
+
+
+@pytest.fixture(scope="module")
+def elastic_run(launches):
+    result = launches["elastic"].result()
     assert result.ok, result.describe()
-    return result, directory
+    return result, launches["elastic_dir"]
 
 
 @pytest.mark.timeout(1200)
@@ -337,16 +383,20 @@ def test_a_shared_agent_store_is_refused_with_or_without_restarts(monkeypatch):
     lab7.check_restarts_are_safe()
 
 
-@pytest.mark.timeout(180)
-def test_torchrun_without_the_variable_is_refused_with_one_line(tmp_path):
-    result = run_torchrun(LAB7, ["--checkpoint-dir", tmp_path / "c", "--max-steps", 2], nproc=2, timeout_s=150)
+def launch_without_the_variable(directory):
+    return run_torchrun(LAB7, ["--checkpoint-dir", directory / "c", "--max-steps", 2], nproc=2, timeout_s=300)
+
+
+@pytest.mark.timeout(1200)
+def test_torchrun_without_the_variable_is_refused_with_one_line(launches):
+    result = launches["no variable"].result()
     assert not result.ok and not result.timed_out, result.describe()
     errors = [line for line in result.stderr.splitlines() if line.startswith("lab7_fault_tolerance.py: error:")]
     assert errors == [
         "lab7_fault_tolerance.py: error: torchrun's restarts (--max-restarts, --nnodes=MIN:MAX) need "
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment: put it before torchrun"
     ], result.describe()
-    assert not (tmp_path / "c").exists()
+    assert not (launches["no_variable_dir"] / "c").exists()
 
 
 BAD_FLAGS = [
@@ -366,10 +416,14 @@ def test_bad_flags_are_refused_with_one_line(args, expected, refused_flag_line):
     assert re.search(expected, refused_flag_line(import_script(LAB7), args))
 
 
-@pytest.mark.timeout(180)
-def test_a_crash_rank_outside_the_job_fails_with_one_line(tmp_path):
-    flags = ["--checkpoint-dir", tmp_path / "c", "--crash-at-step", 3, "--crash-rank", 2, "--timeout-s", 30]
-    result = run_torchrun(LAB7, flags, nproc=2, timeout_s=150, env=RESTART_SAFE_ENV)
+def launch_with_a_missing_crash_rank(directory):
+    flags = ["--checkpoint-dir", directory / "c", "--crash-at-step", 3, "--crash-rank", 2, "--timeout-s", 30]
+    return run_torchrun(LAB7, flags, nproc=2, timeout_s=300, env=RESTART_SAFE_ENV)
+
+
+@pytest.mark.timeout(1200)
+def test_a_crash_rank_outside_the_job_fails_with_one_line(launches):
+    result = launches["no such rank"].result()
     assert not result.ok and not result.timed_out, result.describe()
     errors = [line for line in result.stderr.splitlines() if line.startswith("lab7_fault_tolerance.py: error:")]
     assert errors == ["lab7_fault_tolerance.py: error: --crash-rank 2 does not exist in a job of 2 ranks"], result.describe()
