@@ -3,10 +3,10 @@
 Timing thresholds (efficiency >= 0.85 / < 0.6) are measured by the driver itself on a quiet machine
 and reported in the lab's notes, not asserted here: a loaded CI machine would make them flaky.
 
-Launches cost seconds each on a 2-core machine, so the module makes few and shares them between
-assertions (module-scoped fixtures): one 2-rank measurement, one sweep driver running two small
-jobs, one refused measurement and one bad command line - 4 torchrun jobs and 2 plain Python
-processes, where this module used to start 13 and 6. Everything that does not need real processes - argument
+Launches cost seconds each on a 2-core machine, so the module makes few, shares them between
+assertions and runs them 3 at a time (the `jobs` fixture): one 2-rank measurement, one sweep driver
+running two small jobs, one refused measurement and one bad command line - 4 torchrun jobs and 2
+plain Python processes, where this module used to start 13 and 6. Everything that does not need real processes - argument
 parsing, the refusals, the interleaved rounds, the efficiencies, the plot, the devices the
 all_gather sees - runs in-process on the lab's own functions.
 """
@@ -14,6 +14,7 @@ all_gather sees - runs in-process on the lab's own functions.
 import json
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -43,20 +44,40 @@ def lab5():
 
 
 @pytest.fixture(scope="module")
-def measurement(tmp_path_factory):
-    """One 2-rank job: strong-scaling batch split, fp16 compression hook, an explicit 25 MiB cap."""
-    path = tmp_path_factory.mktemp("lab5_one") / "r.json"
-    args = ["--config", "comm_bound", "--global-batch", "8", "--comm-hook", "fp16", "--bucket-cap-mb", "25", "--json", path, *FAST]
-    result = run_torchrun(LAB5, args, nproc=2)
+def jobs(tmp_path_factory):
+    """Every launch of this module, started at once and run 3 at a time: {name: Future}.
+
+    A test waits for its own job's result (a failed job fails only its test). The two short refusals
+    go first, so the tests that read them do not wait behind the long jobs. No relaunch of a failed job.
+    """
+    one = tmp_path_factory.mktemp("lab5_one") / "r.json"
+    sweep = tmp_path_factory.mktemp("lab5_sweep")
+    # One 2-rank job: strong-scaling batch split, fp16 compression hook, an explicit 25 MiB cap.
+    measurement_args = ["--config", "comm_bound", "--global-batch", "8", "--comm-hook", "fp16", "--bucket-cap-mb", "25",
+                        "--json", one, *FAST]  # fmt: skip
+    # The checkpoint's sweep with DDP's default buckets, shrunk: comm_bound only, 1 round, 2 jobs.
+    sweep_args = ["--sweep", "1,2", "--configs", "comm_bound", "--rounds", "1", "--json", sweep / "sweep.json", *FAST]
+    pool = ThreadPoolExecutor(max_workers=3)
+    futures = {
+        "bad flag": pool.submit(run_driver, "--sweep", "1,x", "--json", "o.json", timeout_s=60),
+        "refused": pool.submit(run_torchrun, LAB5, ["--global-batch", "7"], nproc=2, timeout_s=120),
+        "measurement": pool.submit(lambda: (run_torchrun(LAB5, measurement_args, nproc=2), one)),
+        "sweep": pool.submit(lambda: (run_driver(*sweep_args), sweep)),
+    }
+    yield futures
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def measurement(jobs):
+    result, path = jobs["measurement"].result()
     assert result.ok, result.describe()
     return result, json.loads(path.read_text())
 
 
 @pytest.fixture(scope="module")
-def default_sweep(tmp_path_factory):
-    """The checkpoint's sweep with DDP's default buckets, shrunk: comm_bound only, 1 round, 2 jobs."""
-    folder = tmp_path_factory.mktemp("lab5_sweep")
-    result = run_driver("--sweep", "1,2", "--configs", "comm_bound", "--rounds", "1", "--json", folder / "sweep.json", *FAST)
+def default_sweep(jobs):
+    result, folder = jobs["sweep"].result()
     assert result.ok, result.describe()
     return result, json.loads((folder / "sweep.json").read_text()), folder
 
@@ -140,9 +161,9 @@ def test_bad_flags_fail_with_one_line(lab5, refused_flag_line, args, expected):
     assert re.search(expected, refused_flag_line(lab5, args))
 
 
-@pytest.mark.timeout(60)
-def test_bad_flag_on_the_command_line_fails_with_one_line():
-    result = run_driver("--sweep", "1,x", "--json", "o.json")
+@pytest.mark.timeout(180)  # covers the shared launches when this test is the first to wait
+def test_bad_flag_on_the_command_line_fails_with_one_line(jobs):
+    result = jobs["bad flag"].result()
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert result.returncode == 2 and len(errors) == 1, result.describe()
     assert "--sweep: must be an integer" in errors[0] and "Traceback" not in result.stderr, result.describe()
@@ -162,9 +183,9 @@ def test_impossible_measurements_are_refused(lab5, flags, expected):
         lab5.check_measurement(cpu_rank, args)
 
 
-@pytest.mark.timeout(60)
-def test_refused_measurement_under_torchrun_prints_one_line():
-    result = run_torchrun(LAB5, ["--global-batch", "7"], nproc=2)
+@pytest.mark.timeout(180)
+def test_refused_measurement_under_torchrun_prints_one_line(jobs):
+    result = jobs["refused"].result()
     errors = [line for line in result.stderr.splitlines() if line.startswith("lab5_scaling.py: error:")]
     assert result.returncode != 0 and len(errors) == 1 and "does not split evenly over 2 ranks" in errors[0], result.describe()
     assert "[rank0]: Traceback" not in result.stderr and 'lab5_scaling.py", line' not in result.stderr, result.describe()

@@ -5,12 +5,14 @@
 (b) The sbatch script itself, with stand-in srun and scontrol (tests/scripts/fake_slurm/) first on
     PATH: srun starts the script's per-node torchrun twice on this machine, with the variables SLURM
     gives each task, so the script a learner submits is the script that was tested.
-Both compare with one shared reference launch (module fixture); every launch has a timeout.
+Both compare with one shared reference launch; the three launches run at once (the `jobs` fixture),
+and every launch has a timeout.
 """
 
 import os
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -34,22 +36,61 @@ def same_weights(a, b) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
 
 
-@pytest.fixture(scope="module")
-def one_agent(run_lab3, tmp_path_factory):
+def reference_launch(run_lab3, path):
     """The reference: `torchrun --standalone --nproc_per_node=2`, one agent with two processes."""
-    path = tmp_path_factory.mktemp("one_agent") / "weights.pt"
-    result = run_lab3(*LAB3_FLAGS, "--save", path, nproc=2, timeout_s=240)
+    return run_lab3(*LAB3_FLAGS, "--save", path, nproc=2, timeout_s=240)
+
+
+def two_agents_launch(path):
+    port = free_port()
+    command = agent_command(LAB3, [*LAB3_FLAGS, "--save", path], nnodes="2", nproc=1, endpoint=f"127.0.0.1:{port}",
+                            rdzv_id="lab3_two_agents")  # fmt: skip
+    return run_agents([command, command], timeout_s=300, stagger_host=("127.0.0.1", port))
+
+
+def sbatch_launch(path):
+    environment = {
+        # fake srun and scontrol first; then this interpreter's bin (torchrun, python) as an activated venv has it
+        "PATH": os.pathsep.join([str(FAKE_SLURM), str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        # what SLURM sets for the batch script of `sbatch --nodes=2` (two "nodes" that are this machine)
+        "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.1",
+        "SLURM_CPUS_PER_TASK": "32",  # from the script's #SBATCH --cpus-per-task=32
+        # the script's two settings for a CPU-only machine: one process per node, a short lab 3 run
+        "NPROC_PER_NODE": "1", "LAB3_ARGS": " ".join([*LAB3_FLAGS, "--save", str(path)]),
+    }  # fmt: skip
+    return run_command(["bash", SBATCH], timeout_s=300, env=environment)
+
+
+@pytest.fixture(scope="module")
+def jobs(run_lab3, tmp_path_factory):
+    """The module's three lab 3 jobs, started at once (each {name: (Future, weights path)}).
+
+    Each is a 2-process job of a few seconds of training after seconds of start-up: run together,
+    the 2 cores stay busy while one job waits for its rendezvous. No relaunch of a failed job.
+    """
+    paths = {name: tmp_path_factory.mktemp(name) / "weights.pt" for name in ("one_agent", "two_agents", "sbatch")}
+    pool = ThreadPoolExecutor(max_workers=3)
+    futures = {
+        "one_agent": pool.submit(reference_launch, run_lab3, paths["one_agent"]),
+        "two_agents": pool.submit(two_agents_launch, paths["two_agents"]),
+        "sbatch": pool.submit(sbatch_launch, paths["sbatch"]),
+    }
+    yield {name: (futures[name], paths[name]) for name in futures}
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def one_agent(jobs):
+    future, path = jobs["one_agent"]
+    result = future.result()
     assert result.ok, result.describe()
     return load_weights(path)
 
 
 @pytest.fixture(scope="module")
-def two_agents(tmp_path_factory):
-    path = tmp_path_factory.mktemp("two_agents") / "weights.pt"
-    port = free_port()
-    command = agent_command(LAB3, [*LAB3_FLAGS, "--save", path], nnodes="2", nproc=1, endpoint=f"127.0.0.1:{port}",
-                            rdzv_id="lab3_two_agents")  # fmt: skip
-    results = run_agents([command, command], timeout_s=300, stagger_host=("127.0.0.1", port))
+def two_agents(jobs):
+    future, path = jobs["two_agents"]
+    results = future.result()
     for result in results:
         assert result.ok, result.describe()
     return results, path
@@ -67,18 +108,9 @@ def test_two_agents_of_one_process_train_like_one_agent_of_two(one_agent, two_ag
 
 
 @pytest.fixture(scope="module")
-def sbatch_run(tmp_path_factory):
-    path = tmp_path_factory.mktemp("sbatch") / "weights.pt"
-    environment = {
-        # fake srun and scontrol first; then this interpreter's bin (torchrun, python) as an activated venv has it
-        "PATH": os.pathsep.join([str(FAKE_SLURM), str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-        # what SLURM sets for the batch script of `sbatch --nodes=2` (two "nodes" that are this machine)
-        "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.1",
-        "SLURM_CPUS_PER_TASK": "32",  # from the script's #SBATCH --cpus-per-task=32
-        # the script's two settings for a CPU-only machine: one process per node, a short lab 3 run
-        "NPROC_PER_NODE": "1", "LAB3_ARGS": " ".join([*LAB3_FLAGS, "--save", str(path)]),
-    }  # fmt: skip
-    result = run_command(["bash", SBATCH], timeout_s=300, env=environment)
+def sbatch_run(jobs):
+    future, path = jobs["sbatch"]
+    result = future.result()
     assert result.ok, result.describe()
     return result, path
 
