@@ -1,10 +1,12 @@
 """labs/lab6_ddp_from_scratch.py: the check, the JSON records, the traces, training, the exercise's TODO line, bad flags.
 
-Two torchrun launches are shared through module-scoped fixtures: one job with the finished
-wrappers (solutions) that checks (ZeRO-1 included), times, profiles and trains everything at once with small sizes and
-buckets of 0.5 MiB (nine buckets for the transformer: the interesting case for BucketedDDP), and one
-with the untouched exercise. Four more launch the lab on a learner's module with a plausible mistake
-(each must FAIL, never hang) or with one rank. Flag checks and the script's small pieces run in-process.
+Every launch of this file starts in one module fixture, `jobs`, 3 at a time (see its docstring); a
+test waits for its own job's Future. One job with the finished wrappers (solutions) checks (ZeRO-1
+included), times, profiles and trains everything at once with small sizes and buckets of 0.5 MiB (nine
+buckets for the transformer: the interesting case for BucketedDDP) and serves five tests; one runs the
+untouched exercise. The others launch the lab on a learner's module with a plausible mistake (each must
+FAIL, never hang), on the stretch goal's file, or with one rank. Flag checks and the script's small
+pieces run in-process.
 Timing targets are the benchmark's business (benchmarks/lab6_ddp_from_scratch.py), not asserted here.
 """
 
@@ -14,6 +16,7 @@ import re
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -35,9 +38,8 @@ def lab6():
     return import_script(LAB6)
 
 
-@pytest.fixture(scope="module")
-def solutions_job(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("lab6")
+def solutions_launch(folder):
+    """The finished wrappers, everything at once: (RunResult, its JSON records, its folder)."""
     args = ["--module", "solutions", "--bucket-cap-mb", "0.5", "--json", folder / "r.json", "--profile", folder / "traces",
             "--train-steps", TRAIN_STEPS, "--zero", *SMALL]  # fmt: skip
     result = run_torchrun(LAB6, args, nproc=2, timeout_s=240)
@@ -46,11 +48,53 @@ def solutions_job(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def exercise_job():
-    return run_torchrun(LAB6, ["--module", "labs", "--impl", "naive", "--repeats", "0"], nproc=2, timeout_s=120)
+def jobs(tmp_path_factory):
+    """Every launch of this file, started at once and run 3 at a time: {name: Future}.
+
+    A test waits for its own job's result, so a failed job fails only the tests that read it. The
+    solutions job, the longest, goes first. Jobs are independent (each its own folder, torchrun
+    --standalone picks a free port), so running them side by side changes no assertion.
+    """
+
+    def folder(name):
+        return tmp_path_factory.mktemp(name)
+
+    # 3 jobs at a time (an agent and 1 or 2 ranks each): the 2 cores stay busy while a job starts up
+    # (imports torch), waits on gloo or on its hang's deadline, which is most of a small job's time.
+    # A rank that crashes at exit fails its test: no relaunch here (a rerun would only hide it).
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {
+            "solutions": pool.submit(solutions_launch, folder("solutions")),
+            "exercise": pool.submit(run_torchrun, LAB6, ["--module", "labs", "--impl", "naive", "--repeats", "0"],
+                                    nproc=2, timeout_s=120),
+            "no division, no shards": pool.submit(run_with_a_wrong_solution, folder("nodiv"), NO_DIVISION_ARGS,
+                                                  DIVISION, "", SHARDS),
+            "ready order": pool.submit(run_with_a_wrong_solution, folder("ready"), READY_ORDER_ARGS, *READY_ORDER),
+            "missing gradient": pool.submit(run_with_a_wrong_solution, folder("missing"), MISSING_GRADIENT_ARGS,
+                                            LAUNCH_THE_REST, WAIT_FOR_HOOKS),
+            "stretch copied": pool.submit(stretch_launch, folder("copied")),
+            "stretch broken": pool.submit(stretch_launch, folder("broken"), (NAIVE_DIVISION, "")),
+            # one process, plain python: the stretch file as shipped (a docstring)
+            "stretch untouched": pool.submit(subprocess.run, [sys.executable, LAB6, "--file", "labs/naive_ddp_stretch.py",
+                                             *STRETCH_ARGS], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT),
+            "one rank": pool.submit(one_rank_launch, folder("one")),
+            "no broadcast": pool.submit(run_with_a_wrong_solution, folder("nobroadcast"), NO_BROADCAST_ARGS,
+                                        BROADCAST),
+        }
+        yield futures  # leaving the block waits for every job, also when a test failed
 
 
-@pytest.mark.timeout(300)  # covers the shared launch when this test is the first to use it
+@pytest.fixture(scope="module")
+def solutions_job(jobs):
+    return jobs["solutions"].result()
+
+
+@pytest.fixture(scope="module")
+def exercise_job(jobs):
+    return jobs["exercise"].result()
+
+
+@pytest.mark.timeout(420)  # this test may wait for the jobs queued before its own
 def test_every_finished_wrapper_matches_one_process_and_torch_ddp(solutions_job):
     result, records, _ = solutions_job
     assert [r["impl"] for r in records] == IMPLS
@@ -73,7 +117,7 @@ def test_every_finished_wrapper_matches_one_process_and_torch_ddp(solutions_job)
     assert control.endswith("differs (control)") and difference > 100 * records[0]["tolerance"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_json_records_and_timing_table(solutions_job):
     result, records, _ = solutions_job
     for record in records:
@@ -90,7 +134,7 @@ def test_json_records_and_timing_table(solutions_job):
     assert "vs_torch_ddp" in result.stdout and "config: impls=naive,overlap,bucketed,torch" in result.stdout
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_profile_writes_one_trace_per_rank_and_impl_and_naive_does_not_overlap(solutions_job):
     _, _, folder = solutions_job
     summaries = {}
@@ -105,7 +149,7 @@ def test_profile_writes_one_trace_per_rank_and_impl_and_naive_does_not_overlap(s
     assert all(row["launched_before_compute_end"] > 0 and row["all_reduces"] == 9 for row in summaries["bucketed"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_training_loss_falls(solutions_job):
     result, records, _ = solutions_job
     curve = records[IMPLS.index("bucketed")]["train_losses"]
@@ -116,7 +160,7 @@ def test_training_loss_falls(solutions_job):
     assert f"training with bucketed: {TRAIN_STEPS} AdamW steps" in result.stdout
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)
 def test_untouched_exercise_ends_with_one_line_naming_the_todo(exercise_job):
     result = exercise_job
     assert result.returncode not in (0, None), result.describe()
@@ -126,7 +170,7 @@ def test_untouched_exercise_ends_with_one_line_naming_the_todo(exercise_job):
     assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr, result.describe()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)
 def test_the_zero_check_passes_and_shows_the_state_halved(solutions_job):
     result, _, _ = solutions_job
     line = re.search(r"^  zero-1 .*$", result.stdout, re.MULTILINE)
@@ -135,17 +179,17 @@ def test_the_zero_check_passes_and_shows_the_state_halved(solutions_job):
     assert "state on the fullest rank 0.50 of AdamW's (at most 1/world_size + largest tensor / all = 0.50 + 0.08)" in line.group(0)
 
 
-def run_with_a_wrong_solution(tmp_path, args, correct_line, wrong_line="", *more_changes):
+def run_with_a_wrong_solution(folder, args, correct_line, wrong_line="", *more_changes):
     """Run the lab on a learner's labs/minddp.py: the solution with correct_line replaced by wrong_line
     (and each further (correct, wrong) pair of more_changes)."""
-    (tmp_path / "labs").mkdir()
-    (tmp_path / "labs" / LAB6.name).write_text(LAB6.read_text())
+    (folder / "labs").mkdir()
+    (folder / "labs" / LAB6.name).write_text(LAB6.read_text())
     solution = (REPO_ROOT / "solutions" / "minddp.py").read_text()
     for correct, wrong in [(correct_line, wrong_line), *more_changes]:
         assert correct in solution, correct
         solution = solution.replace(correct, wrong)
-    (tmp_path / "labs" / "minddp.py").write_text(solution)
-    return run_torchrun(tmp_path / "labs" / LAB6.name, args, nproc=2, timeout_s=120, cwd=tmp_path)
+    (folder / "labs" / "minddp.py").write_text(solution)
+    return run_torchrun(folder / "labs" / LAB6.name, args, nproc=2, timeout_s=120, cwd=folder)
 
 
 # ShardedOptimizer that keeps every parameter's state on every rank: right weights, nothing saved.
@@ -153,14 +197,16 @@ SHARDS = ('        mine = [p for p, owner in zip(group["params"], owners) if own
           '        mine = list(group["params"])  # WRONG: every rank steps (and keeps state for) everything\n')
 
 
-@pytest.mark.timeout(180)
-def test_a_wrapper_that_forgets_to_divide_and_an_optimizer_that_does_not_shard_fail(tmp_path):
+DIVISION = "        bucket.buffer.div_(self.world_size)  # then the sum over ranks is the average\n"
+NO_DIVISION_ARGS = ["--impl", "bucketed", "--zero", "--check-steps", "2", "--repeats", "0"]
+
+
+@pytest.mark.timeout(420)  # this and the tests below may wait for the jobs queued before theirs
+def test_a_wrapper_that_forgets_to_divide_and_an_optimizer_that_does_not_shard_fail(jobs):
     """Two plausible wrong answers in one launch: BucketedDDP without the division by the world size
     (every rank steps with the sum of the gradients), and a ShardedOptimizer whose every rank holds all
     of AdamW's state (its weights are right: only the state check can catch it)."""
-    division = "        bucket.buffer.div_(self.world_size)  # then the sum over ranks is the average\n"
-    args = ["--impl", "bucketed", "--zero", "--check-steps", "2", "--repeats", "0"]
-    result = run_with_a_wrong_solution(tmp_path, args, division, "", SHARDS)
+    result = jobs["no division, no shards"].result()
     assert result.returncode == 1, result.describe()
     assert re.search(r"^  bucketed +max\|w - one process\| .* FAIL$", result.stdout, re.MULTILINE), result.describe()
     zero = re.search(r"^  zero-1 .*$", result.stdout, re.MULTILINE).group(0)
@@ -180,29 +226,34 @@ READY_ORDER = (
 )
 
 
-@pytest.mark.timeout(180)
-def test_a_bucketed_ddp_that_launches_in_ready_order_fails_the_check(tmp_path):
+READY_ORDER_ARGS = ["--impl", "bucketed", "--check-steps", "1", "--repeats", "0"]
+
+
+@pytest.mark.timeout(420)
+def test_a_bucketed_ddp_that_launches_in_ready_order_fails_the_check(jobs):
     """The transformer readies its gradients in the same order on every rank, so it passes; the small
     model whose order depends on the rank does not (rank 0's bucket of b is summed with rank 1's of a).
     The next small model then mixes buckets of different sizes: gloo aborts the job, which exits non-zero."""
-    result = run_with_a_wrong_solution(tmp_path, ["--impl", "bucketed", "--check-steps", "1", "--repeats", "0"], *READY_ORDER)
+    result = jobs["ready order"].result()
     assert result.returncode not in (0, None), result.describe()
     assert re.search(r"^  bucketed +max\|w - one process\| .* PASS$", result.stdout, re.MULTILINE), result.describe()
     assert re.search(r"^  bucketed +rank-dependent order +max\|w - one process\| .* FAIL$", result.stdout, re.MULTILINE)
 
 
-@pytest.mark.timeout(180)
-def test_a_wrapper_that_waits_for_a_missing_gradient_fails_instead_of_hanging(tmp_path):
-    """OverlapDDP that waits, in finish_gradient_synchronization(), for hooks that never fire (the
-    parameter unused on a rank): the case's deadline turns the hang into a FAIL line and ends the job."""
-    launch_the_rest = """        for index in range(self._next_to_launch, len(self.launch_order)):
+LAUNCH_THE_REST = """        for index in range(self._next_to_launch, len(self.launch_order)):
             self._launch(index)
 """
-    wait_for_hooks = """        while self._next_to_launch < len(self.launch_order):  # WRONG: waits for gradients that never come
+WAIT_FOR_HOOKS = """        while self._next_to_launch < len(self.launch_order):  # WRONG: waits for gradients that never come
             __import__("time").sleep(0.01)
 """
-    args = ["--impl", "overlap", "--check-steps", "1", "--repeats", "0", "--case-timeout-s", "10"]
-    result = run_with_a_wrong_solution(tmp_path, args, launch_the_rest, wait_for_hooks)
+MISSING_GRADIENT_ARGS = ["--impl", "overlap", "--check-steps", "1", "--repeats", "0", "--case-timeout-s", "10"]
+
+
+@pytest.mark.timeout(420)
+def test_a_wrapper_that_waits_for_a_missing_gradient_fails_instead_of_hanging(jobs):
+    """OverlapDDP that waits, in finish_gradient_synchronization(), for hooks that never fire (the
+    parameter unused on a rank): the case's deadline turns the hang into a FAIL line and ends the job."""
+    result = jobs["missing gradient"].result()
     assert result.returncode not in (0, None), result.describe()  # None: killed by the test's own timeout
     assert re.search(r"^\[rank \d\]   overlap   unused on a rank   FAIL: still running after 10 s", result.stdout, re.MULTILINE)
     assert "lab6_ddp_from_scratch.py: error: the check FAILED: overlap hung" in result.stderr
@@ -224,50 +275,62 @@ def naive_ddp_in_an_empty_file(folder, *changes):
     return path
 
 
-@pytest.mark.timeout(420)  # three launches; a loaded 2-core machine needs minutes
-def test_the_stretch_goal_checks_naive_ddp_from_its_own_file(tmp_path):
+NAIVE_DIVISION = "            param.grad.div_(self.world_size)\n"
+STRETCH_ARGS = ["--impl", "naive", "--check-steps", "2", "--repeats", "0"]
+
+
+def stretch_launch(folder, *changes):
+    """--file: the lab on solutions' NaiveDDP copied into an otherwise empty file (with changes applied)."""
+    path = naive_ddp_in_an_empty_file(folder / "stretch", *changes)
+    return run_torchrun(LAB6, ["--file", path, *STRETCH_ARGS], nproc=2, timeout_s=120)
+
+
+@pytest.mark.timeout(420)
+def test_the_stretch_goal_checks_naive_ddp_from_its_own_file(jobs):
     """--file: the solution's NaiveDDP copied into an otherwise empty file passes part 1's check; the same
     file without the division by the world size fails it; the untouched stretch file gets one line."""
-    args = ["--impl", "naive", "--check-steps", "2", "--repeats", "0"]
-    copied = naive_ddp_in_an_empty_file(tmp_path / "copied")
-    result = run_torchrun(LAB6, ["--file", copied, *args], nproc=2, timeout_s=120)
+    result = jobs["stretch copied"].result()
     assert result.ok, result.describe()
     assert re.search(r"^  naive +max\|w - one process\| .* PASS$", result.stdout, re.MULTILINE), result.describe()
     assert len(re.findall(r"^  naive .* PASS$", result.stdout, re.MULTILINE)) == 3  # the transformer, two small models
 
-    division = "            param.grad.div_(self.world_size)\n"
-    broken = naive_ddp_in_an_empty_file(tmp_path / "broken", (division, ""))
-    result = run_torchrun(LAB6, ["--file", broken, *args], nproc=2, timeout_s=120)
+    result = jobs["stretch broken"].result()
     assert result.returncode == 1, result.describe()
     assert re.search(r"^  naive +max\|w - one process\| .* FAIL$", result.stdout, re.MULTILINE), result.describe()
     assert "lab6_ddp_from_scratch.py: error: the check FAILED" in result.stderr
 
     # one process, plain python: the stretch file as shipped (a docstring) gets exactly one line, no traceback
-    untouched = subprocess.run([sys.executable, LAB6, "--file", "labs/naive_ddp_stretch.py", *args],
-                               capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    untouched = jobs["stretch untouched"].result()
     assert untouched.returncode == 1, untouched.stderr
     assert untouched.stderr.strip().splitlines() == [
         "lab6_ddp_from_scratch.py: error: labs/naive_ddp_stretch.py defines no NaiveDDP: write it there, "
         "or pick another --impl (the stretch goal is --impl naive)"]
 
 
-@pytest.mark.timeout(180)
-def test_one_rank_passes_and_skips_the_control(tmp_path):
+def one_rank_launch(folder):
+    args = ["--module", "solutions", "--zero", "--check-steps", "1", "--repeats", "0", "--json", folder / "one.json"]
+    return run_torchrun(LAB6, args, nproc=1, timeout_s=120), folder / "one.json"
+
+
+@pytest.mark.timeout(420)
+def test_one_rank_passes_and_skips_the_control(jobs):
     """With one process the "no sync" control trains on the whole batch, as the reference does: it cannot
     differ, so it is skipped with a note, and the finished module passes (torchrun --nproc_per_node=1)."""
-    args = ["--module", "solutions", "--zero", "--check-steps", "1", "--repeats", "0", "--json", tmp_path / "one.json"]
-    result = run_torchrun(LAB6, args, nproc=1, timeout_s=120)
+    result, records = jobs["one rank"].result()
     assert result.ok, result.describe()
     assert "  no sync   skipped: with one process it trains on the whole batch" in result.stdout
-    assert all(record["check_passed"] and record["world_size"] == 1 for record in json.loads((tmp_path / "one.json").read_text()))
+    assert all(record["check_passed"] and record["world_size"] == 1 for record in json.loads(records.read_text()))
 
 
-@pytest.mark.timeout(180)
-def test_a_sharded_optimizer_that_never_broadcasts_fails_the_zero_check(tmp_path):
+BROADCAST = "        self._broadcast_from_owners()\n"
+NO_BROADCAST_ARGS = ["--impl", "torch", "--zero", "--check-steps", "2", "--repeats", "0"]
+
+
+@pytest.mark.timeout(420)
+def test_a_sharded_optimizer_that_never_broadcasts_fails_the_zero_check(jobs):
     """Part 4's plausible wrong answer: each rank steps its own shard and never sends it, so every rank
     keeps stale copies of the parameters it does not own."""
-    broadcast = "        self._broadcast_from_owners()\n"
-    result = run_with_a_wrong_solution(tmp_path, ["--impl", "torch", "--zero", "--check-steps", "2", "--repeats", "0"], broadcast)
+    result = jobs["no broadcast"].result()
     assert result.returncode == 1, result.describe()
     assert re.search(r"^  zero-1 .* FAIL$", result.stdout, re.MULTILINE), result.describe()
     assert "lab6_ddp_from_scratch.py: error: the check FAILED" in result.stderr
