@@ -13,14 +13,32 @@ collectives run in C++ and are not seen: we check the labs' own code.
 At exit each rank prints one line:
     [collectives rank R] calls N violations M ops all_reduce=3,barrier=1,...
 and one "[collectives rank R] VIOLATION ..." line per bad call.
+
+Several scripts in one launch (most of a launch is Python and torch start-up, about 10 s):
+
+    torchrun ... tests/scripts/record_collectives.py --rows ROWS.json
+
+ROWS.json is a list of {"name": ..., "script": ..., "args": [...]}. Each rank imports torch once and
+runs the rows one after another, each as __main__ with its own argv; calls are counted per row and
+each row ends with its own line:
+    [collectives rank R row NAME] status S calls N violations M ops ...
+The rows' scripts create and destroy their process group in main(); each row's group gets torchrun's
+store under a key prefix of its own (give_each_row_its_own_store_keys), since a second group on the
+same keys would read the first one's closed addresses. What a script may change for the rest of the process (environment variables, sys.path,
+the distributed debug level, the repository's own modules) is put back after each row. A row that
+fails (an exception or a non-zero exit status) ends the launch with its status: its peers may be
+waiting in a collective it will never join, and the later rows would start from a broken state.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
+import json
 import os
 import runpy
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -93,21 +111,110 @@ def install() -> None:
             setattr(c10d, op, wrapper)
 
 
-def report() -> None:
+def report(row: str | None = None, status: int | None = None) -> None:
     rank = os.environ.get("RANK", "0")
+    tag = f"[collectives rank {rank}]" if row is None else f"[collectives rank {rank} row {row}]"
     ops = ",".join(f"{op}={count}" for op, count in sorted(calls.items()))
-    lines = [f"[collectives rank {rank}] VIOLATION {problem}" for problem in violations]
-    lines.append(f"[collectives rank {rank}] calls {sum(calls.values())} violations {len(violations)} ops {ops}")
+    lines = [f"{tag} VIOLATION {problem}" for problem in violations]
+    status_field = "" if status is None else f"status {status} "
+    lines.append(f"{tag} {status_field}calls {sum(calls.values())} violations {len(violations)} ops {ops}")
     sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()
 
 
-if __name__ == "__main__":
-    script, *script_args = sys.argv[1:]
-    install()
+def run_script(script: str, script_args: list[str]) -> None:
+    """Run script as __main__ with its arguments, as `python script ARGS` would."""
     sys.argv = [script, *script_args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script` would
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+def exit_status(script: str, script_args: list[str]) -> int:
+    """Run one row and return its exit status: 0, sys.exit's status, or 1 for an uncaught exception."""
     try:
-        runpy.run_path(script, run_name="__main__")
+        run_script(script, script_args)
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)  # sys.exit("message"), as Python itself would print it
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def own_modules(repo_root: str) -> set[str]:
+    """Names of the loaded modules imported from the repository's scripts (labs, solutions, lectures)."""
+    return {name for name, module in list(sys.modules.items())
+            if (getattr(module, "__file__", None) or "").startswith(repo_root) and not name.startswith("ddp_course")}  # fmt: skip
+
+
+def give_each_row_its_own_store_keys() -> None:
+    """Let a process form the job's default group once per row.
+
+    Under torchrun every init_process_group("env://") talks to the same key-value store with the same
+    keys, so a second group would read the first one's (now closed) addresses and fail to connect.
+    Each row's group gets the store under a prefix of its own (torch's PrefixStore), as if it were a
+    new job; rank and world size still come from torchrun's environment."""
+    real_init = dist.init_process_group
+    base = {}
+    row_number = [0]
+
+    @functools.wraps(real_init)
+    def init_process_group(*args, **kwargs):
+        if kwargs.get("store") is None and kwargs.get("init_method") in (None, "env://"):
+            if "store" not in base:
+                base["store"], _, _ = next(dist.rendezvous("env://"))
+            row_number[0] += 1
+            kwargs["store"] = dist.PrefixStore(f"row{row_number[0]}/", base["store"])
+            kwargs.setdefault("rank", int(os.environ["RANK"]))
+            kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
+            kwargs.pop("init_method", None)
+        return real_init(*args, **kwargs)
+
+    dist.init_process_group = init_process_group
+
+
+def run_rows(rows: list[dict]) -> int:
+    """Run each row in turn, with its own counts and summary line; stop at the first failing row."""
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for row in rows:
+        saved_env, saved_path, saved_level = dict(os.environ), list(sys.path), dist.get_debug_level()
+        modules_before = own_modules(repo_root)
+        calls.clear()
+        violations.clear()
+        status = exit_status(row["script"], row["args"])
+        gc.collect()  # DDP's reference cycles would keep the old group alive (ddp_course.distributed)
+        if dist.is_initialized():  # a script that leaves its group would make the next init fail
+            dist.destroy_process_group()
+        report(row["name"], status)
+        if status != 0:
+            return status
+        # Put back what a script may change for the rest of the process (lab7_hangs sets DETAIL, the
+        # faults demos set TORCH_FR_BUFFER_SIZE) and forget its modules: lab 6 and lab 8 both import a
+        # module named by --module, from their own directory.
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.path[:] = saved_path
+        dist.set_debug_level(saved_level)
+        for name in own_modules(repo_root) - modules_before:
+            del sys.modules[name]
+    return 0
+
+
+if __name__ == "__main__":
+    install()
+    if sys.argv[1] == "--rows":
+        give_each_row_its_own_store_keys()
+        with open(sys.argv[2]) as rows_file:
+            status = run_rows(json.load(rows_file))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # os._exit: after a failing row a peer may be blocked in a collective, and torchrun must see the status.
+        os._exit(status)
+    script, *script_args = sys.argv[1:]
+    try:
+        run_script(script, script_args)
     finally:
         report()
