@@ -1,8 +1,15 @@
-"""labs/lab2_sampler.py launched as a learner launches it (torchrun, gloo ranks on the CPU), and its checks."""
+"""labs/lab2_sampler.py launched as a learner launches it (torchrun, gloo ranks on the CPU), and its checks.
+
+Every launch of the file starts in one module fixture, `jobs`, 3 at a time (the pattern of
+tests/test_lab4_checker.py): a job spends part of its time waiting (torchrun's agent, gloo's
+rendezvous, one rank for the other), and meanwhile the 2 cores run the others. One after another,
+the 8 launches took 48 s on a quiet machine; 3 at a time, 32 to 37 s.
+"""
 
 import json
 import math
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -16,8 +23,51 @@ LAB2 = REPO_ROOT / "labs" / "lab2_sampler.py"
 CHECKS = ["split", "disjoint", "coverage", "drop_last", "set_epoch", "same seed", "exact metric"]
 
 
+# The runs that pass: (world size, held-out digits scored). The planted bugs: (bug, checks it must fail).
+GOOD_RUNS = [(2, 359), (3, 31)]
+ALL_BUT_SAME_SEED = {"split", "disjoint", "coverage", "drop_last", "set_epoch", "exact metric"}
+BUG_RUNS = [
+    ("same-rank", ALL_BUT_SAME_SEED),
+    ("wrong-world-size", ALL_BUT_SAME_SEED),
+    ("no-set-epoch", {"set_epoch"}),
+    ("padded-eval", {"exact metric"}),
+]
+# Bad flags under torchrun: (flags, the one error line's text).
+BAD_FLAG_RUNS = [
+    (["--epochs", "1"], r"--epochs must be 2 or more"),  # argparse, on every rank
+    (["--eval-size", "400"], r"--eval-size must be at most 359"),  # after the set-up, on every rank
+]
+
+
 def run_lab2(*args, nproc=2, timeout_s=120):
     return run_torchrun(LAB2, args, nproc=nproc, timeout_s=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Every launch of this file, started at once and run 3 at a time: {key: (Future of RunResult, folder)}.
+
+    A test waits for its own job's result, so a failed job fails only its test; the job's --json
+    report and saved model are in its folder. The longest jobs (training, 3 ranks) go first. No
+    relaunch of a failed job, here or by pytest.
+    """
+    # At most 3 jobs (7 processes) at a time: each keeps about 2x headroom under its 120 s limit.
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {}
+
+        def submit(key, args, nproc=2):
+            folder = tmp_path_factory.mktemp("-".join(map(str, key)))
+            args = [str(folder / arg) if arg in ("lab2.json", "model.pt") else arg for arg in args]
+            futures[key] = (pool.submit(run_lab2, *args, nproc=nproc), folder)
+
+        for nproc, eval_size in GOOD_RUNS:
+            args = ["--dataset-size", "11", "--eval-size", eval_size, "--json", "lab2.json", "--save-model", "model.pt"]
+            submit(("good", nproc), args, nproc=nproc)
+        for bug, _ in BUG_RUNS:
+            submit(("bug", bug), ["--bug", bug, "--json", "lab2.json"])
+        for flags, _ in BAD_FLAG_RUNS:
+            submit(("flags", *flags), flags)
+        yield futures  # leaving the block waits for every job, also when a test failed
 
 
 def load_lab2_module():
@@ -48,12 +98,12 @@ def status_lines(stdout):
     return re.findall(r"^(PASS|FAIL) (.+?):", stdout, flags=re.MULTILINE)
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize(("nproc", "eval_size"), [(2, 359), (3, 31)])
-def test_all_checks_pass_and_the_exact_metric_equals_one_process(tmp_path, nproc, eval_size):
-    report_file, weights = tmp_path / "lab2.json", tmp_path / "model.pt"
-    args = ["--dataset-size", "11", "--eval-size", eval_size, "--json", report_file, "--save-model", weights]
-    result = run_lab2(*args, nproc=nproc)
+@pytest.mark.timeout(300)  # this and the launched tests below may wait for the jobs queued before theirs
+@pytest.mark.parametrize(("nproc", "eval_size"), GOOD_RUNS)
+def test_all_checks_pass_and_the_exact_metric_equals_one_process(jobs, nproc, eval_size):
+    future, folder = jobs[("good", nproc)]
+    result = future.result()
+    report_file, weights = folder / "lab2.json", folder / "model.pt"
     assert result.ok, result.describe()
     assert status_lines(result.stdout) == [("PASS", name) for name in CHECKS], result.describe()
     assert "all 7 checks passed" in result.stdout
@@ -85,20 +135,13 @@ def test_all_checks_pass_and_the_exact_metric_equals_one_process(tmp_path, nproc
     assert sum(r["exact"][1] for r in ev["per_rank"]) == eval_size
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("bug", "failing"),
-    [
-        ("same-rank", {"split", "disjoint", "coverage", "drop_last", "set_epoch", "exact metric"}),
-        ("wrong-world-size", {"split", "disjoint", "coverage", "drop_last", "set_epoch", "exact metric"}),
-        ("no-set-epoch", {"set_epoch"}),
-        ("padded-eval", {"exact metric"}),
-    ],
-)
-def test_each_planted_bug_fails_its_checks(tmp_path, bug, failing):
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("bug", "failing"), BUG_RUNS)
+def test_each_planted_bug_fails_its_checks(jobs, bug, failing):
     """Negative controls: the checks can fail, and each bug fails exactly the checks it should."""
-    report_file = tmp_path / "lab2.json"
-    result = run_lab2("--bug", bug, "--json", report_file)
+    future, folder = jobs[("bug", bug)]
+    result = future.result()
+    report_file = folder / "lab2.json"
     assert not result.timed_out and result.returncode == 1, result.describe()
     assert {name for status, name in status_lines(result.stdout) if status == "FAIL"} == failing, result.describe()
     assert f"{len(failing)} of 7 checks FAILED" in result.stdout
@@ -145,16 +188,10 @@ def test_bad_flags_fail_with_one_line(args, expected, refused_flag_line):
     assert re.search(expected, refused_flag_line(load_lab2_module(), args))
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    ("args", "expected"),
-    [
-        (["--epochs", "1"], r"--epochs must be 2 or more"),  # argparse, on every rank
-        (["--eval-size", "400"], r"--eval-size must be at most 359"),  # after the set-up, on every rank
-    ],
-)
-def test_bad_flags_under_torchrun_print_one_line_for_the_job(args, expected):
-    result = run_lab2(*args)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("args", "expected"), BAD_FLAG_RUNS)
+def test_bad_flags_under_torchrun_print_one_line_for_the_job(jobs, args, expected):
+    result = jobs[("flags", *args)][0].result()
     assert not result.timed_out and result.returncode != 0, result.describe()
     errors = [line for line in result.stderr.splitlines() if line.startswith("lab2_sampler.py: error:")]
     assert len(errors) == 1 and re.search(expected, errors[0]), result.describe()
