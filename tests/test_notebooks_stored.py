@@ -37,3 +37,12 @@ def test_notebook_is_stored_executed_with_most_cells_compared(path):
     errors = [output.get("ename") for cell in cells for output in cell["outputs"] if output["output_type"] == "error"]
     assert not errors, f"{path.name} is stored with errors: {errors}"
     assert "widgets" not in json.loads(path.read_text())["metadata"], f"{path.name} stores widget state"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: f"{path.parent.name}/{path.name}")
+def test_no_heading_is_written_twice(path):
+    """A heading repeated in two cells (one left at the end of the cell before) shows the reader a section twice."""
+    notebook = json.loads(path.read_text())
+    headings = [line.strip() for cell in notebook["cells"] if cell["cell_type"] == "markdown"
+                for line in "".join(cell["source"]).splitlines() if line.startswith("#")]  # fmt: skip
+    assert not {heading for heading in headings if headings.count(heading) > 1}
