@@ -1,7 +1,7 @@
 """labs/lab3_ddp.py launched as a learner launches it: torchrun, 2 gloo ranks on the CPU.
 
 Launches are shared: each module-scoped fixture below runs its job once, asserts it exited cleanly
-(a failed launch is a setup error, which pytest.ini's rerun-on-exit-abort rule can retry), and
+(a failed launch is a setup error, reported with the job's stderr), and
 several tests read the files and output of the same job. Every launch costs seconds of start-up, so
 the short runs share one 2-rank job (tests/scripts/lab3_runs.py: one run of train() per test case),
 and checks that need no second process run here (flag checks, the one-process reference run).
