@@ -119,11 +119,17 @@ def test_hooks_and_overlap(job):
     assert hooks["mean"]["matches_builtin"] and hooks["blocking"]["matches_builtin"]
     assert not hooks["sum"]["matches_builtin"] and hooks["sum"]["min_ratio"] == hooks["sum"]["max_ratio"] == 2.0
     for name, overlapped in (("builtin", True), ("blocking", False)):
-        rows = profiling.overlap_summary(profiling.read_traces(traces / name))
-        assert len(rows) == 4
+        timelines = profiling.read_traces(traces / name)
+        rows = profiling.overlap_summary(timelines)
+        assert [(r["rank"], r["step"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         for row in rows:
+            # Six 4 MiB layers, one bucket each; the last bucket (first layer) is ready only once every
+            # gradient is computed; DDP's backward() waits for all of them.
             assert (row["all_reduces"], row["launched_before_compute_end"], row["started_before_backward_end"]) == (6, 5, 6)
             assert row["overlapped"] is overlapped, (name, row)
+        for per_rank in timelines.values():
+            assert all(set(t.phases) == set(profiling.PHASES) for t in per_rank)
+            assert all(t.gradient_compute_end_us <= t.phases["backward"].end_us for t in per_rank)
 
 
 @pytest.mark.timeout(120)
