@@ -22,6 +22,29 @@ def run_lab3():
     return run
 
 
+SHARDING_CHECKS = REPO_ROOT / "tests" / "scripts" / "sharding_checks.py"
+MINDDP_SUITE_ON = {2: "wrappers", 4: "zero"}  # world size -> the minddp suite that runs there
+
+
+@pytest.fixture(scope="session")
+def sharding_checks(tmp_path_factory):
+    """sharding_checks(nproc) -> (RunResult, path of the minddp JSON) of tests/scripts/sharding_checks.py.
+
+    One launch per world size serves tests/test_minddp.py and tests/test_minifsdp.py (lab 6's and lab 8's
+    from-scratch checks need the same gloo group), launched by the first test that asks, then reused.
+    """
+    launched = {}
+
+    def run(nproc):
+        if nproc not in launched:
+            path = tmp_path_factory.mktemp(f"sharding_checks_{nproc}") / "minddp.json"
+            args = ["--minddp-suite", MINDDP_SUITE_ON[nproc], "--minddp-json", path, "--timeout-s", "30"]
+            launched[nproc] = run_torchrun(SHARDING_CHECKS, args, nproc=nproc, timeout_s=300), path
+        return launched[nproc]
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def read_json():
     def read(path):

@@ -1,7 +1,9 @@
 """Lab 6's from-scratch DDP (solutions/minddp.py) and its exercise (labs/minddp.py).
 
-Two torchrun launches are shared by most tests (module-scoped fixtures): tests/scripts/minddp_check.py
---suite wrappers on 2 gloo ranks and --suite zero on 4 (subgroups of 1, 2 and 4 ranks). Each writes
+Two torchrun launches are shared by most tests: tests/scripts/minddp_check.py's --suite wrappers on 2
+gloo ranks and --suite zero on 4 (subgroups of 1, 2 and 4 ranks), each run by tests/scripts/sharding_checks.py
+in the same job as lab 8's FSDP checks (conftest.py's `sharding_checks`: one launch per world size serves
+this module and tests/test_minifsdp.py). Each writes
 one JSON of records, one per check and rank; the tests below assert on them. The in-process tests
 check the bucket and shard assignments, the exercise generator, and that the exercise is the
 solution with the marked regions replaced by TODOs that raise.
@@ -19,29 +21,28 @@ import torch
 from torch import nn
 
 from ddp_course.exercises import exercise_header, find_regions, make_exercise
-from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script
 
 SOLUTION = REPO_ROOT / "solutions" / "minddp.py"
 EXERCISE = REPO_ROOT / "labs" / "minddp.py"
-CHECK = REPO_ROOT / "tests" / "scripts" / "minddp_check.py"
 minddp = import_script(SOLUTION, "minddp")
 
 
-def launch(tmp_path_factory, suite, nproc):
-    path = tmp_path_factory.mktemp(suite) / "records.json"
-    result = run_torchrun(CHECK, ["--suite", suite, "--json", path, "--timeout-s", "30"], nproc=nproc, timeout_s=150)
-    assert result.ok, result.describe()
+def minddp_records(sharding_checks, nproc):
+    """The minddp suite's JSON from the shared launch (conftest.py); it exists only if the suite finished."""
+    result, path = sharding_checks(nproc)
+    assert not result.timed_out and path.exists(), result.describe()
     return json.loads(path.read_text())
 
 
 @pytest.fixture(scope="module")
-def wrappers_run(tmp_path_factory):
-    return launch(tmp_path_factory, "wrappers", nproc=2)
+def wrappers_run(sharding_checks):
+    return minddp_records(sharding_checks, nproc=2)
 
 
 @pytest.fixture(scope="module")
-def zero_run(tmp_path_factory):
-    return launch(tmp_path_factory, "zero", nproc=4)
+def zero_run(sharding_checks):
+    return minddp_records(sharding_checks, nproc=4)
 
 
 def records(run, check, **match):

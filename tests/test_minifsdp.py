@@ -1,7 +1,8 @@
 """Lecture 7's from-scratch FSDP (solutions/minifsdp.py) and its exercise (labs/minifsdp.py).
 
-Two torchrun launches are shared by the tests below (module-scoped fixtures): tests/scripts/minifsdp_check.py
-on 2 and on 4 gloo ranks. The script runs every case and prints one "PASS name (world_size N): details" or
+Two torchrun launches are shared by the tests below: tests/scripts/minifsdp_check.py's cases on 2 and on
+4 gloo ranks, each run by tests/scripts/sharding_checks.py in the same job as lab 6's minddp checks
+(conftest.py's `sharding_checks`: one launch per world size serves this module and tests/test_minddp.py). The script runs every case and prints one "PASS name (world_size N): details" or
 "FAIL ..." line per case; each test asserts on one case's lines. Most of a launch's time is importing torch
 and, at the first optimizer.step(), torch._dynamo, in every rank (the cases themselves take about 4 s).
 The in-process tests check the row split, and that the exercise is the solution with its marked regions
@@ -19,11 +20,10 @@ import pytest
 import torch
 
 from ddp_course.exercises import exercise_header, find_regions, make_exercise
-from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script
 
 SOLUTION = REPO_ROOT / "solutions" / "minifsdp.py"
 EXERCISE = REPO_ROOT / "labs" / "minifsdp.py"
-CHECK = REPO_ROOT / "tests" / "scripts" / "minifsdp_check.py"
 minifsdp = import_script(SOLUTION, "minifsdp")
 LINE = re.compile(r"^(?P<verdict>PASS|FAIL) (?P<case>\w+) \(world_size (?P<world_size>\d+)\): (?P<details>.*)$")
 CASES = [
@@ -40,10 +40,9 @@ CASES = [
 ]
 
 
-def launch(nproc: int) -> dict:
-    """{case: (verdict, details)} from one launch of the check script on nproc ranks."""
-    result = run_torchrun(CHECK, ["--timeout-s", "30"], nproc=nproc, timeout_s=240)
-    assert result.returncode in (0, 1), result.describe()  # 1: it ran, and some case failed
+def verdicts_of(result, nproc: int) -> dict:
+    """{case: (verdict, details)} from the lines one launch on nproc ranks printed."""
+    assert not result.timed_out and result.returncode in (0, 1), result.describe()  # 1: some case failed
     verdicts = {}
     for line in result.stdout.splitlines():
         match = LINE.match(line)
@@ -56,14 +55,13 @@ def launch(nproc: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict:
-    return {}
+def runs(sharding_checks):
+    """runs(nproc) -> {case: (verdict, details)}, from the launch this module shares with tests/test_minddp.py."""
+    return lambda nproc: verdicts_of(sharding_checks(nproc)[0], nproc)
 
 
-def verdict(runs: dict, nproc: int, case: str) -> tuple[str, str]:
-    if nproc not in runs:
-        runs[nproc] = launch(nproc)
-    return runs[nproc][case]
+def verdict(runs, nproc: int, case: str) -> tuple[str, str]:
+    return runs(nproc)[case]
 
 
 @pytest.mark.timeout(480)

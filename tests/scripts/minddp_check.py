@@ -508,17 +508,22 @@ def main() -> int:
     args = parser.parse_args()
     ctx = setup_distributed("gloo", timeout_s=args.timeout_s)
     try:
-        records = wrapper_checks(ctx) if args.suite == "wrappers" else zero_checks(ctx)
-        everyone = [None] * ctx.world_size
-        dist.all_gather_object(everyone, records)
-        if ctx.is_main:
-            result = {"suite": args.suite, "world_size": ctx.world_size, "tolerance": TOLERANCE}
-            result["records"] = [record for rank_records in everyone for record in rank_records]
-            args.json.write_text(json.dumps(result, indent=1))
-            print(f"{args.suite}: {len(result['records'])} records written to {args.json}")
+        run_suite(ctx, args.suite, args.json)
     finally:
         teardown_distributed()
     return 0
+
+
+def run_suite(ctx, suite: str, json_path: Path) -> None:
+    """Every rank runs the suite's checks; rank 0 gathers all ranks' records and writes them to json_path."""
+    records = wrapper_checks(ctx) if suite == "wrappers" else zero_checks(ctx)
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, records)
+    if ctx.is_main:
+        result = {"suite": suite, "world_size": ctx.world_size, "tolerance": TOLERANCE}
+        result["records"] = [record for rank_records in everyone for record in rank_records]
+        json_path.write_text(json.dumps(result, indent=1))
+        print(f"{suite}: {len(result['records'])} records written to {json_path}")
 
 
 if __name__ == "__main__":

@@ -440,12 +440,18 @@ def main() -> int:
     try:
         # Every wrapper is built and dropped inside run_cases(): when it returns none is reachable, and
         # teardown_distributed() collects them (gc) before destroying the group (COURSE_GUIDE section 6).
-        failures = run_cases(ctx)
-        if ctx.is_main:
-            print(f"done: {len(CASES) - failures} passed, {failures} failed")
+        failures = run_and_report(ctx)
     finally:
         teardown_distributed()
     return 1 if failures else 0
+
+
+def run_and_report(ctx) -> int:
+    """run_cases(), then rank 0's closing line "done: P passed, F failed". Returns the failures."""
+    failures = run_cases(ctx)
+    if ctx.is_main:
+        print(f"done: {len(CASES) - failures} passed, {failures} failed")
+    return failures
 
 
 if __name__ == "__main__":
