@@ -8,6 +8,11 @@ solution and these tests cannot drift apart.
 Every launch of the file starts in one module fixture, `jobs`, 4 at a time: two of the jobs spend
 most of their time waiting (for gloo's timeout, for the checker's limit), and meanwhile the 2 cores
 run the others. One after another, the same launches took over 2 minutes.
+
+Nearly all of a job's CPU is start-up (imports), not its 2 epochs of training, so the jobs stay as
+they are and start-up is what was cut: the observed ranks read the checker's saved copy of the
+digits instead of importing scikit-learn (LAB4_OBSERVE_DIGITS; test_observed_ranks_read_the_same_digits
+proves the tensors equal), and the test process loads the digits once for all its checks.
 """
 
 import ast
@@ -17,7 +22,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
+from ddp_course.data import load_digits
 from ddp_course.launch import REPO_ROOT, import_script, run_command, run_torchrun
 
 BROKEN = REPO_ROOT / "labs" / "lab4_broken_ddp.py"
@@ -128,7 +135,7 @@ def hung_solution() -> str:
 
 @pytest.fixture(scope="module")
 def jobs(checker, tmp_path_factory):
-    """Every launch of this file, started at once and run 3 at a time: {name: Future}.
+    """Every launch of this file, started at once and run 4 at a time: {name: Future}.
 
     A test waits for its own job's result (a failed job fails only its test). A check runs in this
     process (checker.check saves the checker's start-up) and gives (Observation, its seven lines);
@@ -144,10 +151,10 @@ def jobs(checker, tmp_path_factory):
         observation, verdicts = checker.check(script, folder / "observed", **options)
         return observation, "\n".join(verdict.line() for verdict in verdicts)
 
-    # 3 jobs of 3 processes at a time: the 2 cores stay busy while one job waits, and every job keeps
-    # about 2x headroom under its time limit on a slower machine. A rank that crashes at exit fails its
+    # 4 jobs of 3 processes at a time: the 2 cores stay busy while two jobs wait (see the module
+    # docstring), and every job keeps about 2x headroom under its time limit on a slower machine. A rank that crashes at exit fails its
     # test: no relaunch here, and none by pytest (a rerun would only read this result again).
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {
             "hung": pool.submit(check, "hung", make_source=hung_solution, job_timeout_s=HUNG_JOB_LIMIT_S),
             "unrescued": pool.submit(check, "unrescued", BROKEN, rescue=False),
@@ -178,6 +185,16 @@ def test_broken_script_is_the_solution_with_the_seven_bugs_put_back():
     docstring = ast.get_docstring(ast.parse(broken))
     assert "python labs/lab4_check.py" in docstring and "seven bugs" in docstring
     assert not re.search(r"zero_grad|set_epoch|module\.|DistributedSampler|all_reduce|world_size\)", docstring)
+
+
+def test_observed_ranks_read_the_same_digits(checker, tmp_path):
+    """The observer serves the checker's saved digits (no scikit-learn in the ranks): the same tensors."""
+    observer = import_script(REPO_ROOT / "labs" / "lab4_observe.py")
+    served, loaded = observer._load_saved_digits(str(checker.save_digits(tmp_path / "digits.pt"))), load_digits()
+    assert served.num_classes == loaded.num_classes
+    for split in ("train", "test"):
+        for a, b in zip(getattr(served, split).tensors, getattr(loaded, split).tensors, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), split
 
 
 @pytest.mark.timeout(300)  # this and the tests below may wait for the jobs queued before theirs
