@@ -52,7 +52,6 @@ import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ddp_course.cli import CourseArgumentParser
-from ddp_course.data import load_digits
 from ddp_course.launch import REPO_ROOT, import_script
 from ddp_course.models import DigitsCNN
 
@@ -99,10 +98,16 @@ def renumbered(number: int, verdict) -> Verdict:
     return Verdict(number, verdict.status, verdict.evidence)
 
 
+def script_args(out_dir: Path) -> list:
+    """The learner's script's flags: SCRIPT_ARGS, and its checkpoint goes into out_dir."""
+    return [*SCRIPT_ARGS, "--save", out_dir / "model.pt"]
+
+
+OBSERVER_ENV = {"LAB4_OBSERVE_STEPS": str(RECORDED_STEPS)}  # the observer records the first steps' gradients
+
+
 def observe(script: Path, out_dir: Path):
-    args = [*SCRIPT_ARGS, "--save", out_dir / "model.pt"]
-    env = {"LAB4_OBSERVE_STEPS": str(RECORDED_STEPS)}
-    return lab4.observe(script, out_dir, script_args=args, env=env, timeout_s=JOB_TIMEOUT_S)
+    return lab4.observe(script, out_dir, script_args=script_args(out_dir), env=OBSERVER_ENV, timeout_s=JOB_TIMEOUT_S)
 
 
 def recorded_steps(obs) -> list[dict[int, dict]]:
@@ -255,7 +260,12 @@ def check_clean_exit(obs) -> Verdict:
 def check(script: Path, out_dir: Path):
     """Run script under observation and decide the seven checks, in order."""
     obs = observe(script, out_dir)
-    splits = load_digits()
+    return obs, judge(obs)
+
+
+def judge(obs) -> list[Verdict]:
+    """The seven verdicts on one observed run, in order."""
+    splits = lab4.digits()  # loaded once per process
     steps = recorded_steps(obs)
     replicas, ended_equal = check_equal_replicas(obs, steps)
     started_equal = bool(steps) and all(
@@ -271,7 +281,7 @@ def check(script: Path, out_dir: Path):
         check_job_metrics(obs, weights, splits.test, ended_equal),
         check_clean_exit(obs),
     ]
-    return obs, verdicts
+    return verdicts
 
 
 def main(argv=None) -> int:

@@ -4,12 +4,15 @@ its small size, on 2 gloo ranks under tests/scripts/record_collectives.py, which
 torch.distributed call (lab 5's sweep driver is left out: it launches its own jobs, which the lab5
 row covers). Lab 6 also runs on 1 rank, as gpu_smoke runs it on a 1-GPU machine.
 
-Most of a launch is Python and torch start-up, so rows that need the same torchrun options and
-environment run one after another in ONE launch (the recorder's --rows mode, issue 22): 4 launches
-instead of 16. Each row still gets its own summary line, its own key-figure check and its own test;
-a failing row fails its test by name and the rows after it report that they were not reached. Lab 7
-runs apart (its restart-safe environment), and so does lab 7's crash-and-restart row (torchrun
-restarts the whole launch).
+Most of a launch is Python and torch start-up, so rows that need the same ranks and environment run
+one after another in ONE launch (the recorder's --rows mode, issue 22): 3 launches instead of 16.
+Each row still gets its own summary line, its own key-figure check and its own test; a failing row
+fails its test by name and the rows after it report that they were not reached. Lab 7 and its
+crash-and-restart row share a launch of their own (the restart-safe environment): torchrun restarts
+that whole launch, and the recorder then skips lab 7's row, which passed before the crash. The
+recorder's own test rows close the main launch. The launches wait on each other's collectives and
+sleeps much of the time, so the first test starts them all, two at a time (issue 22: about 15 s less
+than one after another on 2 cores); each test waits for its own.
 
 On gloo every tensor is on the CPU, so a lab passes here unless it mixes devices within one call
 (e.g. a meta or CUDA tensor next to CPU ones); on a GPU machine the same wrapper with --backend nccl
@@ -19,6 +22,7 @@ a mixed-device call, in a launch and in isolation, since a CPU-only lab run cann
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -29,7 +33,10 @@ from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 RECORDER_PATH = REPO_ROOT / "tests" / "scripts" / "record_collectives.py"
 BAD_ROW_PATH = REPO_ROOT / "tests" / "scripts" / "recorder_bad_row.py"
 ROW_SUMMARY = r"\[collectives rank (\d) row {name}\] status (-?\d+) calls (\d+) violations (\d+) ops (\S*)"
-GROUP_TIMEOUT_S = 330  # the 13 shared rows take about 60 s on a quiet 2-core machine
+GROUP_TIMEOUT_S = 330  # the 13 shared rows take about 30 s on a quiet 2-core machine, 45 s beside the other launches
+# The recorder's own test (test_a_shared_launch_reports_...), at the end of the main launch: a row with a
+# mixed-device call, a row that fails, and a row that must never run. The launch ends with status 3.
+SELF_TEST_ROWS = [("mixed", BAD_ROW_PATH, ["--mixed-device"]), ("fails", BAD_ROW_PATH, ["--exit-status", "3"]), ("after", BAD_ROW_PATH, ["--mixed-device"])]
 
 
 def load_module(name, path):
@@ -43,8 +50,25 @@ LABS = {lab.name: lab for lab in smoke.LAB_RUNS}
 
 
 def launch_key(lab, nproc):
-    """Rows with the same key can share a launch: same ranks, torchrun options and environment."""
-    return (nproc, lab.torchrun_args, lab.env)
+    """Rows with the same key share a launch: same ranks and environment. torchrun's options may differ
+    only by --max-restarts: the launch restarts, and the recorder skips the rows that passed before."""
+    return (nproc, lab.env)
+
+
+MAIN_LAUNCH = (2, ())
+
+
+def launch_plan(key):
+    """(the rows of one launch in order [(LabRun or None, name, script, args)], its torchrun options)."""
+    nproc = key[0]
+    group = [row for row in CPU_LABS if launch_key(row, nproc) == key] if nproc == 2 else [LABS["lab6"]]
+    group.sort(key=lambda row: bool(row.torchrun_args))  # rows that crash on purpose last: the others pass first
+    options = {row.torchrun_args for row in group if row.torchrun_args}
+    assert len(options) <= 1, f"rows of one launch need the same torchrun options: {options}"
+    rows = [(row, row.name, REPO_ROOT / row.script, None) for row in group]
+    if key == MAIN_LAUNCH:
+        rows += [(None, *row) for row in SELF_TEST_ROWS]
+    return rows, next(iter(options), ())
 
 
 def run_rows(rows, out_dirs, nproc, timeout_s, env=(), torchrun_args=()):
@@ -62,33 +86,58 @@ def row_summaries(result, name):
 
 
 class SharedLaunches:
-    """Runs each group of rows once, on first demand, and keeps the launch's result for the rows' tests."""
+    """Starts every launch of this file on first demand, two at a time, and keeps each result for its rows' tests."""
 
     def __init__(self, tmp_path_factory):
         self.tmp_path_factory = tmp_path_factory
-        self.launches = {}  # launch key -> (RunResult, {row name: out dir})
+        self.launches = {}  # launch key -> future of (RunResult, {row name: out dir})
+        self.pool = ThreadPoolExecutor(max_workers=2)  # the longest launch on one side, the others after each other beside it
 
-    def result_of(self, lab, nproc):
-        key = launch_key(lab, nproc)
-        if key not in self.launches:
-            group = [row for row in CPU_LABS if launch_key(row, nproc) == key] if nproc == 2 else [lab]
-            outs = {row.name: self.tmp_path_factory.mktemp(row.name) for row in group}
-            rows = [(row.name, REPO_ROOT / row.script, row.command_args(outs[row.name], "gloo")) for row in group]
-            launch_dir = self.tmp_path_factory.mktemp("launch")
-            self.launches[key] = (run_rows(rows, launch_dir, nproc, GROUP_TIMEOUT_S, lab.env, lab.torchrun_args), outs)
-        return self.launches[key]
+    def result_of(self, key):
+        if not self.launches:
+            keys = sorted({launch_key(row, 2) for row in CPU_LABS} - {MAIN_LAUNCH}) + [(1, LABS["lab6"].env)]
+            for each in [MAIN_LAUNCH, *keys]:  # the longest first
+                self.launches[each] = self.start(each)
+        return self.launches[key].result()
+
+    def start(self, key):
+        """Write the launch's rows file and its rows' out dirs (here, not in a worker thread), then start it."""
+        rows, torchrun_args = launch_plan(key)
+        outs = {name: self.tmp_path_factory.mktemp(name) for _, name, _, _ in rows}
+        commands = [(name, script, lab.command_args(outs[name], "gloo") if lab else args) for lab, name, script, args in rows]
+        launch_dir = self.tmp_path_factory.mktemp("launch")
+        future = self.pool.submit(run_rows, commands, launch_dir, key[0], GROUP_TIMEOUT_S, key[1], torchrun_args)
+        return _WithOuts(future, outs)
+
+    def close(self):
+        self.pool.shutdown(wait=True)
+
+
+class _WithOuts:
+    """A started launch: result() waits for it and returns (RunResult, {row name: out dir})."""
+
+    def __init__(self, future, outs):
+        self.future, self.outs = future, outs
+
+    def result(self):
+        return self.future.result(), self.outs
 
 
 @pytest.fixture(scope="module")
 def shared_launches(tmp_path_factory):
-    return SharedLaunches(tmp_path_factory)
+    launches = SharedLaunches(tmp_path_factory)
+    yield launches
+    launches.close()
 
 
 def check_row(lab, launches, nproc):
     """The row's summaries on every rank: ran, exit status 0, collectives seen, none mixing devices."""
-    result, outs = launches.result_of(lab, nproc)
+    result, outs = launches.result_of(launch_key(lab, nproc))
     summaries = row_summaries(result, lab.name)
     assert sorted(summaries) == list(range(nproc)), f"row {lab.name} did not finish on every rank (an earlier row failed?)\n{result.describe()}"
+    if not lab.torchrun_args:  # a restart must not hide a failure: a row that does not crash on purpose passes every time it runs
+        statuses = re.findall(ROW_SUMMARY.format(name=re.escape(lab.name)), result.stdout)
+        assert all(int(status) == 0 for _, status, *_ in statuses), f"row {lab.name} failed in an attempt\n{result.describe()}"
     for rank, (status, calls, violations, ops) in summaries.items():
         assert status == 0, f"row {lab.name} exited with status {status} on rank {rank}\n{result.describe()}"
         assert calls > 0, f"row {lab.name}, rank {rank} made no collective call through torch.distributed: {ops}"
@@ -115,13 +164,12 @@ def test_lab6_passes_on_one_rank_as_on_a_1_gpu_machine(shared_launches):
     check_row(LABS["lab6"], shared_launches, nproc=1)
 
 
-@pytest.mark.timeout(180)
-def test_a_shared_launch_reports_a_violation_and_a_failing_row_by_name(tmp_path):
+@pytest.mark.timeout(360)
+def test_a_shared_launch_reports_a_violation_and_a_failing_row_by_name(shared_launches):
     """The recorder's --rows mode: a mixed-device call is counted against its own row, a failing row
     ends the launch with its status and is named, and the rows after it never report."""
-    rows = [("mixed", BAD_ROW_PATH, ["--mixed-device"]), ("fails", BAD_ROW_PATH, ["--exit-status", "3"]), ("after", BAD_ROW_PATH, ["--mixed-device"])]
-    result = run_rows(rows, tmp_path, nproc=2, timeout_s=150)
-    assert not result.ok, result.describe()
+    result, _ = shared_launches.result_of(MAIN_LAUNCH)
+    assert not result.ok, result.describe()  # torchrun reports a failed worker with its own status (1)
     mixed = row_summaries(result, "mixed")
     assert sorted(mixed) == [0, 1] and all(status == 0 and violations == 1 for status, _, violations, _ in mixed.values()), result.describe()
     assert "[collectives rank 0 row mixed] VIOLATION all_reduce: tensors on meta, but this rank's backend works on cpu" in result.stdout

@@ -1,24 +1,30 @@
 """Lab 3 conversion checker: the solution passes all seven checks, and each plausible mistake fails its own check only.
 
 Each mistake is a small edit of solutions/my_ddp.py made here, so the mistakes cannot drift from the
-solution. One module fixture runs every job (the checker's main() on the solution, one check per
-mistake), 4 at a time: each is one torchrun job of 2 gloo ranks, and the checker's one-process
+solution. One module fixture runs two launches side by side: the checker's main() on the solution,
+exactly as a learner runs it (one torchrun job of 2 gloo ranks under lab 4's observer), and ONE
+launch of 2 gloo ranks that runs the 7 mistakes one after another, each under the same observer with
+the checker's arguments and settings (tests/scripts/observe_rows.py). Most of a job is torch start-up
+(issue 22): one launch for the 7 mistakes instead of 7 saves about 25 s on 2 cores. The checker
+judges each mistake's observation with the same function as a learner's (judge); the one-process
 reference is computed in this process. The command-line errors are checked in this process too.
 """
 
 import contextlib
 import io
+import json
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ddp_course.launch import REPO_ROOT, import_script
+from ddp_course.launch import REPO_ROOT, RunResult, import_script, run_torchrun
 
 CHECKER = REPO_ROOT / "labs" / "lab3_convert_check.py"
 SOLUTION = REPO_ROOT / "solutions" / "my_ddp.py"
 TRAIN_SINGLE = REPO_ROOT / "labs" / "train_single.py"
+OBSERVE_ROWS = REPO_ROOT / "tests" / "scripts" / "observe_rows.py"
 
 # Each mistake: (the check it must fail, the edits that put it into the solution: (old text, new text)).
 MISTAKES = {
@@ -93,27 +99,58 @@ def verdict_lines(output: str) -> dict[int, str]:
 def checker():
     """labs/lab3_convert_check.py as a module: calling it in this process saves a checker start-up per job."""
     module = import_script(CHECKER)
-    # Several jobs start at once here, on a machine that may be shared: give each more time than a
+    # Two launches run at once here, on a machine that may be shared: give each more time than a
     # learner's single job needs. The limit only stops a hung job; a passing run is never near it.
     module.JOB_TIMEOUT_S = 400
     return module
 
 
+def observe_in_one_launch(checker, scripts: dict, folder):
+    """{name: Observation} of each script, observed as checker.observe would, all in one torchrun launch."""
+    lab4 = checker.lab4
+    out_dirs = {name: folder / f"{name}-observed" for name in scripts}
+    rows = [{"name": name, "out_dir": str(out_dirs[name]), "script": str(script), "args": [str(a) for a in checker.script_args(out_dirs[name])]}
+            for name, script in scripts.items()]  # fmt: skip
+    rows_file = folder / "rows.json"
+    rows_file.write_text(json.dumps(rows, indent=1))
+    # lab4.observe's environment: GPUs hidden, collectives rescued, the digits from a file; plus the checker's own.
+    env = {"CUDA_VISIBLE_DEVICES": "", "LAB4_OBSERVE_RESCUE": "1", "LAB4_OBSERVE_DIGITS": str(lab4.save_digits(folder / "digits.pt")), **checker.OBSERVER_ENV}
+    launch = run_torchrun(OBSERVE_ROWS, [rows_file], nproc=checker.WORLD_SIZE, timeout_s=checker.JOB_TIMEOUT_S, env=env)
+    return {name: row_observation(lab4, launch, out_dir, checker.JOB_TIMEOUT_S) for name, out_dir in out_dirs.items()}
+
+
+def row_observation(lab4, launch: RunResult, out_dir, timeout_s):
+    """One row's Observation: its own output and exit status, as if it had had a launch of its own."""
+    ranks = range(lab4.WORLD_SIZE)
+    statuses = [json.loads(path.read_text()) if (path := out_dir / f"status-r{rank}.json").exists() else None for rank in ranks]
+    reached = all(statuses)
+    status = next((s["status"] for s in statuses if s and s["status"]), 0) if reached else launch.returncode
+
+    def read(stream):  # every rank's, as torchrun would have collected them
+        return "".join(path.read_text() for rank in ranks if (path := out_dir / f"{stream}-r{rank}.txt").exists())
+
+    run = RunResult(
+        command=[*launch.command, f"(row {out_dir.name})"], returncode=status, stdout=read("stdout"),
+        stderr=read("stderr") + ("" if reached else f"RuntimeError: this row did not finish (an earlier row failed?)\n{launch.stderr}"),
+        wall_s=max(s["wall_s"] for s in statuses) if reached else launch.wall_s, timed_out=launch.timed_out and not reached,
+    )  # fmt: skip
+    observation = lab4.Observation(run, out_dir, timeout_s=timeout_s)
+    for rank in ranks:
+        path = out_dir / f"events-r{rank}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        observation.events[rank] = [event for event in map(lab4.parse_event, lines) if event is not None]
+    return observation
+
+
 @pytest.fixture(scope="module")
 def runs(checker, tmp_path_factory):
-    """Every job of this file, 4 at a time: {name: (RunResult, {check: 'STATUS evidence'}, exit status of main or None)}."""
+    """Every job of this file, in two launches side by side: {name: (RunResult, {check: 'STATUS evidence'}, exit status of main or None)}."""
     folder = tmp_path_factory.mktemp("lab3_convert")
-
-    def check(name, script):
-        out_dir = folder / f"{name}-observed"
-        out_dir.mkdir()
-        observation, verdicts = checker.check(script, out_dir)
-        return observation.run, verdict_lines("\n".join(verdict.line() for verdict in verdicts)), None
 
     def command_line(script):
         """The learner's command, `python labs/lab3_convert_check.py SCRIPT`, run by its main() here."""
         printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):  # only main() prints; the other jobs' checks do not
+        with contextlib.redirect_stdout(printed):  # only main() prints; the other launch's thread does not
             status = checker.main([str(script)])
         return printed.getvalue(), verdict_lines(printed.getvalue()), status
 
@@ -122,11 +159,11 @@ def runs(checker, tmp_path_factory):
         scripts[name] = folder / name / "my_ddp.py"
         scripts[name].parent.mkdir()
         scripts[name].write_text(with_mistake(SOLUTION.read_text(), edits))
-    # 4 jobs of 3 processes at a time keep 2 cores busy; more would only add memory.
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {"solution": pool.submit(command_line, SOLUTION)}
-        futures.update({name: pool.submit(check, name, script) for name, script in scripts.items()})
-        return {name: future.result() for name, future in futures.items()}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        solution = pool.submit(command_line, SOLUTION)
+        observations = observe_in_one_launch(checker, scripts, folder)
+        judged = {name: (obs.run, verdict_lines("\n".join(v.line() for v in checker.judge(obs))), None) for name, obs in observations.items()}
+        return {"solution": solution.result(), **judged}
 
 
 @pytest.mark.timeout(900)

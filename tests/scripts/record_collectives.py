@@ -28,6 +28,9 @@ same keys would read the first one's closed addresses. What a script may change 
 the distributed debug level, the repository's own modules) is put back after each row. A row that
 fails (an exception or a non-zero exit status) ends the launch with its status: its peers may be
 waiting in a collective it will never join, and the later rows would start from a broken state.
+When torchrun restarts the launch (--max-restarts, for a row that crashes on purpose), the new
+attempt skips the rows that passed on every rank in an earlier one: each rank leaves a marker file
+beside ROWS.json for every row it passed. A skipped row prints no new line; its earlier one stands.
 """
 
 from __future__ import annotations
@@ -176,10 +179,25 @@ def give_each_row_its_own_store_keys() -> None:
     dist.init_process_group = init_process_group
 
 
-def run_rows(rows: list[dict]) -> int:
+def passed_marker(markers_dir: str, row: str, rank: int | str) -> str:
+    return os.path.join(markers_dir, f"passed-{row}-r{rank}")
+
+
+def passed_in_earlier_attempt(markers_dir: str, row: str) -> bool:
+    """True on a restarted attempt for a row that every rank passed before the restart.
+
+    The previous attempt's processes are all gone by then, so every rank sees the same markers."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return False
+    return all(os.path.exists(passed_marker(markers_dir, row, rank)) for rank in range(int(os.environ["WORLD_SIZE"])))
+
+
+def run_rows(rows: list[dict], markers_dir: str) -> int:
     """Run each row in turn, with its own counts and summary line; stop at the first failing row."""
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for row in rows:
+        if passed_in_earlier_attempt(markers_dir, row["name"]):
+            continue  # a restarted launch: re-running it would find its own outputs (lab 7's checkpoints)
         saved_env, saved_path, saved_level = dict(os.environ), list(sys.path), dist.get_debug_level()
         modules_before = own_modules(repo_root)
         calls.clear()
@@ -191,6 +209,7 @@ def run_rows(rows: list[dict]) -> int:
         report(row["name"], status)
         if status != 0:
             return status
+        open(passed_marker(markers_dir, row["name"], os.environ.get("RANK", "0")), "w").close()
         # Put back what a script may change for the rest of the process (lab7_hangs sets DETAIL, the
         # faults demos set TORCH_FR_BUFFER_SIZE) and forget its modules: lab 6 and lab 8 both import a
         # module named by --module, from their own directory.
@@ -208,7 +227,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "--rows":
         give_each_row_its_own_store_keys()
         with open(sys.argv[2]) as rows_file:
-            status = run_rows(json.load(rows_file))
+            status = run_rows(json.load(rows_file), markers_dir=os.path.dirname(os.path.abspath(sys.argv[2])))
         sys.stdout.flush()
         sys.stderr.flush()
         # os._exit: after a failing row a peer may be blocked in a collective, and torchrun must see the status.
