@@ -22,6 +22,12 @@ group does not stop the next demo:
                   fr_RANK (a pickle; torch._C._distributed_c10d._dump_fr_trace is private API, what
                   NCCL's TORCH_NCCL_DUMP_ON_TIMEOUT=1 writes by itself).
 
+With --lab7-scenarios rank0-only,missing-rank,uneven the job then runs those hang scenarios of
+labs/lab7_hangs.py, one after the other, each on its own group as lab 7 makes it, with lab 7's own
+functions (imported, not copied): the same bug, tool and diagnosis as `torchrun ... lab7_hangs.py
+--scenario NAME --timeout-s T`, in one launch instead of one per scenario (each launch costs seconds
+of process start-up). Each rank's "stopped in WHERE: KIND: CAUSE" line goes into the report.
+
 Rank 0 writes every demo's facts (booleans, counts, names: no timings) to --json. With --crash-at-exit,
 rank 1 then raises an exception (a stand-in for "CUDA out of memory") in a main() decorated with
 torch.distributed.elastic's @record, so torchrun's failure report shows the crash: Root Cause, the
@@ -60,6 +66,7 @@ from ddp_course.checkpoint import atomic_write_json  # noqa: E402
 from ddp_course.cli import CourseArgumentParser, positive_float  # noqa: E402
 from ddp_course.distributed import log, setup_distributed, teardown_distributed  # noqa: E402
 from ddp_course.faults import diagnose  # noqa: E402
+from ddp_course.launch import REPO_ROOT, import_script  # noqa: E402
 from ddp_course.seeding import seed_everything  # noqa: E402
 
 
@@ -69,8 +76,13 @@ def parse_args(argv=None):
     parser.add_argument("--trace-dir", help="each rank dumps its flight recorder here, fr_RANK (required under torchrun)")
     parser.add_argument("--timeout-s", type=positive_float, default=2.0, help="the flight-recorder and start-up demos' wait")
     parser.add_argument("--crash-at-exit", action="store_true", help="rank 1 raises at the end: torchrun's failure report")
+    parser.add_argument("--lab7-scenarios", default="", help="then lab 7's hang scenarios, comma-separated (one job, see above)")
     parser.add_argument("--init-only", action="store_true", help="plain python: init_process_group from the environment, report")
     args = parser.parse_args(argv)
+    args.lab7_scenarios = [name for name in args.lab7_scenarios.split(",") if name]
+    unknown = sorted(set(args.lab7_scenarios) - set(lab7_hangs_module().SCENARIOS)) if args.lab7_scenarios else []
+    if unknown:
+        parser.error(f"--lab7-scenarios: no such scenario in labs/lab7_hangs.py: {', '.join(unknown)}")
     if not args.init_only and not (args.json and args.trace_dir):
         parser.error("--json and --trace-dir are required (unless --init-only)")
     return args
@@ -195,12 +207,38 @@ def flight_recorder(rank: int, args) -> dict:
     return {"kind": kind, "entries": len(entries)}
 
 
+def lab7_hangs_module():
+    """labs/lab7_hangs.py, imported (labs/ is not a package): its scenarios, not a copy of them."""
+    return import_script(REPO_ROOT / "labs" / "lab7_hangs.py")
+
+
+def lab7_hangs(ctx, scenarios, timeout_s) -> dict:
+    """Run lab 7's scenarios one after the other; {scenario: this rank's outcome line}."""
+    lab7 = lab7_hangs_module()
+    outcomes = {}
+    for scenario in scenarios:
+        lab7_args = lab7.parse_args(["--scenario", scenario, "--timeout-s", str(timeout_s)])
+        # lab 7 turns DETAIL on before its group exists (the level is read when a group is built)
+        dist.set_debug_level(dist.DebugLevel.DETAIL if lab7.TOOLS[scenario] == "DETAIL" else dist.DebugLevel.OFF)
+        try:
+            group = lab7.scenario_group(ctx, lab7_args)  # a barrier on the default group first: every rank is here
+        finally:
+            dist.set_debug_level(dist.DebugLevel.OFF)
+        try:
+            outcomes[scenario] = lab7.RUNNERS[scenario](ctx, group, lab7_args)
+        except lab7.Stopped as stop:
+            outcomes[scenario] = stop.line
+    return outcomes
+
+
 def run(ctx, args) -> dict:
     facts = {"order_swap": order_swap(ctx.rank)}
     facts["replicas_identical"] = {"load_after_wrap_on_rank0": train_two_steps(True, ctx.rank),
                                    "load_before_wrap_everywhere": train_two_steps(False, ctx.rank)}
     facts["unused_parameter"] = unused_parameter(ctx.rank)
     facts["flight_recorder"] = flight_recorder(ctx.rank, args)
+    if args.lab7_scenarios:  # after the flight recorder's dump: their collectives do not crowd its buffer
+        facts["lab7_hangs"] = lab7_hangs(ctx, args.lab7_scenarios, args.timeout_s)
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, facts)  # the default group is still healthy
     return {"per_rank": everyone}
