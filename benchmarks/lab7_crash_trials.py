@@ -11,7 +11,8 @@ or drew from them once more than the uninterrupted run, would end with other wei
 exits 0, its second attempt resumed from the newest checkpoint before the crash, it reports the
 expected number of recomputed steps, and its final weights equal the uninterrupted run's
 (torch.equal on every tensor). One line per trial, then "K of N trials passed"; the exit status
-is 1 unless all passed. tests/test_lab7_fault_tolerance.py runs three of these trials.
+is 1 unless all passed. tests/test_lab7_fault_tolerance.py runs three of these trials (one of them
+through a driver that gives rank 1 a stale view of the checkpoint directory).
 """
 
 from __future__ import annotations
@@ -44,10 +45,15 @@ def uninterrupted_run(directory: Path, timeout_s: float = 300):
     return run_torchrun(LAB7, lab7_flags(directory, "straight"), nproc=2, timeout_s=timeout_s, env=RESTART_SAFE_ENV)
 
 
-def crash_run(directory: Path, crash_step: int, crash_rank: int, timeout_s: float = 400):
-    """Rank crash_rank dies at crash_step; torchrun restarts both ranks once."""
+def crash_run(directory: Path, crash_step: int, crash_rank: int, timeout_s: float = 400, driver=None):
+    """Rank crash_rank dies at crash_step; torchrun restarts both ranks once.
+
+    driver=(script, args): torchrun starts `script args... LAB7 flags...` instead of the lab, a script
+    that changes something in each worker and then runs the lab's main() (the test's stale node).
+    """
     flags = [*lab7_flags(directory, f"crash{crash_step}_rank{crash_rank}"), "--crash-at-step", crash_step, "--crash-rank", crash_rank]
-    return run_torchrun(LAB7, flags, nproc=2, timeout_s=timeout_s, env=RESTART_SAFE_ENV, torchrun_args=["--max-restarts=1"])
+    script, args = (LAB7, flags) if driver is None else (driver[0], [*driver[1], LAB7, *flags])
+    return run_torchrun(script, args, nproc=2, timeout_s=timeout_s, env=RESTART_SAFE_ENV, torchrun_args=["--max-restarts=1"])
 
 
 def trial_plan(trials: int) -> list[tuple[int, int]]:

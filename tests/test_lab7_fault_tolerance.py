@@ -3,14 +3,15 @@
 The sampler tests run in this process. The lab's launches are shared through module fixtures:
 one uninterrupted run and three crash-and-restart runs of a model with dropout
 (benchmarks/lab7_crash_trials.py's trial functions, so the test and the 10-trial benchmark judge
-alike), two resumes in which rank 1 plays a node with a stale view of the checkpoint directory,
-one elastic job of two agents that loses one, and two launches the lab refuses.
+alike; in the last one rank 1 also plays a node with a stale view of the checkpoint directory when
+it restarts), a resume in which rank 1 loads a stale copy of the newest checkpoint, one elastic
+job of two agents that loses one, and two launches the lab refuses.
 
-The `launches` fixture starts all nine at once, in threads: the elastic job spends most of its
-time waiting (for the rendezvous's heartbeat and last-call timeouts) and the others use that time,
-so the module takes about as long as its slowest chain (the uninterrupted run, then the two
-resumes from its checkpoints) instead of the sum. Under that load a launch takes 15-120 s, hence
-the timeouts.
+The `launches` fixture runs the eight in threads: the elastic job spends most of its time waiting
+(for the rendezvous's heartbeat and last-call timeouts) and the others use that time, two at a
+time (LAUNCHES_AT_ONCE), so the module takes about as long as the CPU work of its launches
+instead of the sum of their durations. A launch's deadline (run_torchrun's timeout_s) counts from
+its own start, not from its place in the queue.
 """
 
 import json
@@ -111,6 +112,13 @@ def test_bad_positions_are_refused():
 # Every run trains the digits model with --dropout 0.1 (lab7_crash_trials.DROPOUT): the weights only
 # match if the resumed run draws the same dropout masks as the uninterrupted one.
 CRASHES = [(7, 1), (19, 0), (26, 1)]
+# The crash whose workers run the lab through the stale-node driver (STALE_NODE, "listing"): its
+# restart finds checkpoints 15, 20 and 25, and rank 1 lists 20 as the newest.
+STALE_LISTING_CRASH = (26, 1)
+# Launches running at once besides the elastic job. Each is CPU-bound on 2 cores; more at once only
+# adds switching: 6 uninterrupted runs took 33.5 s two at a time, 41.5 s all at once (65 and 82
+# CPU-seconds), 37.9 s one at a time.
+LAUNCHES_AT_ONCE = 2
 
 
 @pytest.fixture(scope="module")
@@ -120,15 +128,19 @@ def trials():
 
 @pytest.fixture(scope="module")
 def launches(trials, tmp_path_factory):
-    """{name: Future} of every launch in this module, all started together (module docstring).
+    """{name: Future} of every launch in this module (module docstring).
 
     The elastic job starts first, alone: its second agent must join the rendezvous within the
-    first agent's last call (RENDEZVOUS_CONF), which a machine busy starting eight other jobs could
-    exceed. The others start once both of its workers train.
+    first agent's last call (RENDEZVOUS_CONF), which a machine busy starting other jobs could
+    exceed. The others start once both of its workers train, LAUNCHES_AT_ONCE at a time, in the
+    order submitted: the uninterrupted run first, as the stale-file resume waits for its checkpoints.
     """
     crash_dir, elastic_dir = tmp_path_factory.mktemp("crash_trials"), tmp_path_factory.mktemp("elastic")
     no_variable_dir, no_such_rank_dir = tmp_path_factory.mktemp("no_variable"), tmp_path_factory.mktemp("no_such_rank")
-    with ThreadPoolExecutor(max_workers=10, thread_name_prefix="lab7") as pool:
+    driver = crash_dir / "stale_node.py"
+    driver.write_text(STALE_NODE)
+    # One thread for the elastic job, which waits most of its time; LAUNCHES_AT_ONCE for the rest.
+    with ThreadPoolExecutor(max_workers=1 + LAUNCHES_AT_ONCE, thread_name_prefix="lab7") as pool:
         futures = {"elastic": pool.submit(elastic_launch, elastic_dir)}
 
         def two_ranks_train():  # rank 1 writes its sample file once the rendezvous has closed
@@ -137,11 +149,12 @@ def launches(trials, tmp_path_factory):
         wait_until(two_ranks_train, 300)
         futures["reference"] = pool.submit(trials.uninterrupted_run, crash_dir)
         for crash in CRASHES:
-            futures[crash] = pool.submit(trials.crash_run, crash_dir, *crash)
-        for stale in ("listing", "file"):  # they resume from the reference's checkpoints: they wait for it
-            futures[stale] = pool.submit(stale_node_launch, crash_dir, trials, stale, futures["reference"])
-        futures["no variable"] = pool.submit(launch_without_the_variable, no_variable_dir)
+            stale_listing = (driver, ["listing"]) if crash == STALE_LISTING_CRASH else None
+            futures[crash] = pool.submit(trials.crash_run, crash_dir, *crash, driver=stale_listing)
+        # It gets a thread when three launches have ended, the reference (started first) almost surely one.
+        futures["file"] = pool.submit(stale_file_launch, crash_dir, trials, driver, futures["reference"])
         futures["no such rank"] = pool.submit(launch_with_a_missing_crash_rank, no_such_rank_dir)
+        futures["no variable"] = pool.submit(launch_without_the_variable, no_variable_dir)
         yield {"crash_dir": crash_dir, "elastic_dir": elastic_dir, "no_variable_dir": no_variable_dir, **futures}
         # Leaving the `with` waits for every launch; each has a deadline (run_torchrun's timeout_s).
 
@@ -207,6 +220,7 @@ def test_the_uninterrupted_run_checkpoints_its_position_in_samples(crash_runs):
 # Rank 1 of a real job plays a node whose view of a shared checkpoint directory is out of date:
 # "listing": it lists the directory as it was before the newest save (NFS attribute caching);
 # "file": the newest file's name, but an older copy's contents (its global_step is 5 lower).
+# Usage: stale_node.py listing|file LAB7 LAB7_FLAGS...
 STALE_NODE = textwrap.dedent(
     """
     import os, sys
@@ -216,54 +230,56 @@ STALE_NODE = textwrap.dedent(
 
     stale, lab = sys.argv[1], import_script(sys.argv[2])
     sys.argv = sys.argv[2:]  # the lab's own name in its messages ("lab7_fault_tolerance.py: error: ...")
+    args = lab.parse_args(sys.argv[1:])
     fresh_load = training.load_checkpoint
+
+    def listing_before_the_newest_save(directory):
+        return ([None] + list_checkpoints(directory)[:-1])[-1]
 
     def older_copy(*args):
         state = fresh_load(*args)
         return {**state, "global_step": state["global_step"] - 5}
 
     if os.environ["RANK"] == "1" and stale == "listing":
-        lab.latest_checkpoint = lambda directory: list_checkpoints(directory)[-2]
+        newest = listing_before_the_newest_save(args.checkpoint_dir)
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        print(f"stale node: rank 1 lists {newest.name if newest else None} as the newest (attempt {attempt})", flush=True)
+        lab.latest_checkpoint = listing_before_the_newest_save
     if os.environ["RANK"] == "1" and stale == "file":
         training.load_checkpoint = older_copy
-    sys.exit(lab.main(lab.parse_args(sys.argv[1:])))
+    sys.exit(lab.main(args))
     """
 )
 
 
-def stale_node_launch(directory, trials, stale, reference):
-    """Resume to step 30 from copies of the uninterrupted run's checkpoints 20 and 25 (and its progress)."""
+def stale_file_launch(directory, trials, driver, reference):
+    """Resume to step 30 from a copy of the uninterrupted run's checkpoint 25 (and its progress)."""
     if not reference.result().ok:
-        pytest.fail("no checkpoints to resume from: the uninterrupted run failed")
-    driver = directory / f"stale_node_{stale}.py"
-    driver.write_text(STALE_NODE)
-    checkpoints = directory / f"stale_{stale}_checkpoints"  # the directory trials.lab7_flags names
+        pytest.fail("no checkpoint to resume from: the uninterrupted run failed")
+    checkpoints = directory / "stale_file_checkpoints"  # the directory trials.lab7_flags names
     checkpoints.mkdir()
-    for name in ("checkpoint_step00000020.pt", "checkpoint_step00000025.pt", "progress.json"):
+    for name in ("checkpoint_step00000025.pt", "progress.json"):
         shutil.copy(directory / "straight_checkpoints" / name, checkpoints / name)
-    flags = [*trials.lab7_flags(directory, f"stale_{stale}"), "--timeout-s", 30]  # the later --timeout-s wins
-    return run_torchrun(driver, [stale, LAB7, *flags], nproc=2, timeout_s=300, env=RESTART_SAFE_ENV)
-
-
-@pytest.fixture(scope="module")
-def stale_node_runs(launches):
-    return launches["crash_dir"], {stale: launches[stale].result() for stale in ("listing", "file")}
+    flags = [*trials.lab7_flags(directory, "stale_file"), "--timeout-s", 30]  # the later --timeout-s wins
+    return run_torchrun(driver, ["file", LAB7, *flags], nproc=2, timeout_s=300, env=RESTART_SAFE_ENV)
 
 
 @pytest.mark.timeout(1800)
-def test_every_rank_resumes_from_the_checkpoint_rank_0_chose(stale_node_runs, trials):
-    """Rank 1 lists step 20 as the newest; the job still resumes from 25 on both ranks and ends bit for bit."""
-    directory, results = stale_node_runs
-    result = results["listing"]
+def test_every_rank_resumes_from_the_checkpoint_rank_0_chose(crash_runs, trials):
+    """At the restart of a crash run rank 1 lists step 20 as the newest; both ranks still resume from 25,
+    and the job ends bit for bit as the uninterrupted run."""
+    directory, _, results = crash_runs
+    result = results[STALE_LISTING_CRASH]
     assert result.ok, result.describe()
-    assert re.search(r"attempt 0: resumed from .*checkpoint_step00000025\.pt \(epoch 1, 128 samples", result.stdout)
-    assert trials.same_weights(directory / "stale_listing.pt", directory / "straight.pt")
+    assert "stale node: rank 1 lists checkpoint_step00000020.pt as the newest (attempt 1)" in result.stdout, result.describe()
+    assert re.search(r"attempt 1: resumed from .*checkpoint_step00000025\.pt \(epoch 1, 128 samples", result.stdout)
+    step, rank = STALE_LISTING_CRASH
+    assert trials.same_weights(directory / f"crash{step}_rank{rank}.pt", directory / "straight.pt")
 
 
 @pytest.mark.timeout(1800)
-def test_ranks_that_loaded_different_steps_stop_with_one_line(stale_node_runs):
-    directory, results = stale_node_runs
-    result = results["file"]
+def test_ranks_that_loaded_different_steps_stop_with_one_line(launches):
+    directory, result = launches["crash_dir"], launches["file"].result()
     assert not result.ok and not result.timed_out and result.wall_s < 200, result.describe()
     errors = [line for line in result.stderr.splitlines() if line.startswith("lab7_fault_tolerance.py: error:")]
     assert len(errors) == 1, result.describe()
