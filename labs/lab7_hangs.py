@@ -214,6 +214,11 @@ def main(args) -> int:
         return 1
     if TOOLS[args.scenario] == "DETAIL" and not args.no_tools:
         dist.set_debug_level(dist.DebugLevel.DETAIL)  # = TORCH_DISTRIBUTED_DEBUG=DETAIL, before the group exists
+    if args.scenario.startswith("uneven"):
+        # DDP's constructor imports torch._dynamo: seconds of CPU on a busy machine, and not equally fast
+        # on every rank. Imported now, before the start-up barrier's long timeout, that time cannot end a
+        # healthy rank's wait in the constructor's first collective, which has the short --timeout-s.
+        import torch._dynamo  # noqa: F401
     try:
         ctx = setup_distributed(args.backend, timeout_s=START_TIMEOUT_S)
         group = scenario_group(ctx, args)

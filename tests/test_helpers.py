@@ -3,6 +3,7 @@
 import argparse
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -379,12 +380,30 @@ def test_atomic_write_json(tmp_path, read_json):
 # ---- launch (real torchrun jobs) -------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def launches():
+    """{name: RunResult} of this file's three torchrun jobs, started together: two of them spend most of
+    their time waiting (for the launcher's timeout, for the process group's), so the waits overlap.
+
+    The caller sees two GPUs (review finding 2): every job is launched with CUDA_VISIBLE_DEVICES=0,1.
+    """
+    jobs = {
+        "report rank": (SCRIPTS / "report_rank.py", ["--tag", "x"], 60),
+        # 8 s: 4x the 2 s the workers took to start beside the other two jobs (load average 3)
+        "sleep forever": (SCRIPTS / "sleep_forever.py", [], 8),
+        "skip collective": (SCRIPTS / "skip_collective.py", ["--timeout-s", "3"], 60),
+    }
+    with pytest.MonkeyPatch.context() as patch, ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+        futures = {name: pool.submit(run_torchrun, script, args, nproc=2, timeout_s=timeout) for name, (script, args, timeout) in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
 @pytest.mark.timeout(90)
-def test_launcher_runs_every_rank_with_torchrun_environment_and_no_gpu(monkeypatch):
+def test_launcher_runs_every_rank_with_torchrun_environment_and_no_gpu(launches):
     """Review finding 2: with two GPUs visible to the caller, the launched job still sees none, so
     `--backend auto` picks gloo (report_rank.py counts the GPUs in CUDA_VISIBLE_DEVICES, as CUDA does)."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    result = run_torchrun(SCRIPTS / "report_rank.py", ["--tag", "x"], nproc=2, timeout_s=60)
+    result = launches["report rank"]
     assert result.ok, result.describe()
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("[rank"))
     assert lines == [
@@ -406,19 +425,27 @@ def test_child_environment_hides_gpus_unless_asked():
 
 
 @pytest.mark.timeout(90)
-def test_launcher_kills_a_job_that_runs_past_its_timeout():
-    result = run_torchrun(SCRIPTS / "sleep_forever.py", nproc=2, timeout_s=8)
+def test_launcher_kills_a_job_that_runs_past_its_timeout(launches):
+    result = launches["sleep forever"]
     assert result.timed_out and result.returncode is None and not result.ok
     assert result.wall_s < 30
-    time.sleep(1)
-    leftovers = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).endswith("sleep_forever.py")]
+    # Both workers were running when the timeout struck, so "no leftover" below is not vacuous.
+    assert result.stdout.splitlines().count("sleep_forever.py: started") == 2, result.describe()
+    # SIGKILL takes effect asynchronously: poll for up to 5 s instead of sleeping a fixed second.
+    deadline = time.monotonic() + 5
+    while (leftovers := _sleep_forever_processes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert leftovers == []
 
 
+def _sleep_forever_processes():
+    return [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).endswith("sleep_forever.py")]
+
+
 @pytest.mark.timeout(90)
-def test_process_group_timeout_turns_a_hang_into_an_error():
+def test_process_group_timeout_turns_a_hang_into_an_error(launches):
     """Rank 1 never joins rank 0's all_reduce: with a 3 s timeout the job fails instead of hanging."""
-    result = run_torchrun(SCRIPTS / "skip_collective.py", ["--timeout-s", "3"], nproc=2, timeout_s=60)
+    result = launches["skip collective"]
     assert not result.timed_out and result.returncode != 0, result.describe()
     assert result.wall_s < 40, result.describe()
     assert "rank 0 timed out in all_reduce" in result.stdout, result.describe()

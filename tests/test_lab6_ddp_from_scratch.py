@@ -61,17 +61,18 @@ def jobs(tmp_path_factory):
 
     # 3 jobs at a time (an agent and 1 or 2 ranks each): the 2 cores stay busy while a job starts up
     # (imports torch), waits on gloo or on its hang's deadline, which is most of a small job's time.
+    # The hanging job starts second, so that its idle wait for the deadline overlaps the solutions job.
     # A rank that crashes at exit fails its test: no relaunch here (a rerun would only hide it).
     with ThreadPoolExecutor(max_workers=3) as pool:
         futures = {
             "solutions": pool.submit(solutions_launch, folder("solutions")),
+            "missing gradient": pool.submit(run_with_a_wrong_solution, folder("missing"), MISSING_GRADIENT_ARGS,
+                                            LAUNCH_THE_REST, WAIT_FOR_HOOKS),
             "exercise": pool.submit(run_torchrun, LAB6, ["--module", "labs", "--impl", "naive", "--repeats", "0"],
                                     nproc=2, timeout_s=120),
             "no division, no shards": pool.submit(run_with_a_wrong_solution, folder("nodiv"), NO_DIVISION_ARGS,
                                                   DIVISION, "", SHARDS),
             "ready order": pool.submit(run_with_a_wrong_solution, folder("ready"), READY_ORDER_ARGS, *READY_ORDER),
-            "missing gradient": pool.submit(run_with_a_wrong_solution, folder("missing"), MISSING_GRADIENT_ARGS,
-                                            LAUNCH_THE_REST, WAIT_FOR_HOOKS),
             "stretch copied": pool.submit(stretch_launch, folder("copied")),
             "stretch broken": pool.submit(stretch_launch, folder("broken"), (NAIVE_DIVISION, "")),
             # one process, plain python: the stretch file as shipped (a docstring)
@@ -246,8 +247,10 @@ LAUNCH_THE_REST = """        for index in range(self._next_to_launch, len(self.l
 WAIT_FOR_HOOKS = """        while self._next_to_launch < len(self.launch_order):  # WRONG: waits for gradients that never come
             __import__("time").sleep(0.01)
 """
-# 20 s: every healthy case before the hanging one must finish inside it while two other jobs share the cores.
-MISSING_GRADIENT_ARGS = ["--impl", "overlap", "--check-steps", "1", "--repeats", "0", "--case-timeout-s", "20"]
+# Each case has its own deadline, so it must be far above the longest healthy case of this job, not their sum:
+# 0.17 s (OverlapDDP on the transformer) with two other jobs sharing the 2 cores (load average 4), 30x less.
+CASE_DEADLINE_S = 5
+MISSING_GRADIENT_ARGS = ["--impl", "overlap", "--check-steps", "1", "--repeats", "0", "--case-timeout-s", CASE_DEADLINE_S]
 
 
 @pytest.mark.timeout(420)
@@ -256,7 +259,8 @@ def test_a_wrapper_that_waits_for_a_missing_gradient_fails_instead_of_hanging(jo
     parameter unused on a rank): the case's deadline turns the hang into a FAIL line and ends the job."""
     result = jobs["missing gradient"].result()
     assert result.returncode not in (0, None), result.describe()  # None: killed by the test's own timeout
-    assert re.search(r"^\[rank \d\]   overlap   unused on a rank   FAIL: still running after 20 s", result.stdout, re.MULTILINE)
+    assert re.search(rf"^\[rank \d\]   overlap   unused on a rank   FAIL: still running after {CASE_DEADLINE_S} s",
+                     result.stdout, re.MULTILINE), result.describe()
     assert "lab6_ddp_from_scratch.py: error: the check FAILED: overlap hung" in result.stderr
 
 
