@@ -4,11 +4,16 @@ Launches are shared where the same job answers several questions: one job runs e
 the default benchmark sweep (as the lab sheet does), read by three tests. Argument checks that
 need no process group run the script's own parse_args in this process; two launches prove that
 under torchrun a mistake is reported once for the job, without a traceback.
+
+The file's four launches start together in one module fixture, `jobs` (the pattern of
+tests/test_lab2_join.py): the short ones spend much of their time starting up and meeting at the
+rendezvous, and the 2 cores run the long one meanwhile.
 """
 
 import json
 import math
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -42,15 +47,39 @@ def load_lab1():
     return import_script(LAB1)
 
 
+# The launches that must fail: (flags, the one error line's text). The first is refused by argparse
+# on every rank, the second after the process group is set up.
+BAD_FLAGS_UNDER_TORCHRUN = [
+    (["--min-bytes", "3"], r"--min-bytes: must be a multiple of 4 bytes"),
+    (["--corrupt-rank", "2"], r"--corrupt-rank 2: there is no such rank \(0\.\.1\)"),
+]
+
+
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-    """One job as the lab sheet runs it: every check, then the default sweep with its JSON and plot."""
+def jobs(tmp_path_factory):
+    """Every launch of this file, started at once: {name: Future of RunResult}, plus the full run's folder.
+
+    A test waits for its own job's result, so a failed job fails only its test. No relaunch.
+    """
     out = tmp_path_factory.mktemp("lab1")
-    result = run_lab1(
-        "--checks-json", out / "checks.json", "--bench", "--json", out / "bench.json", "--plot", out / "bench.png",
-        timeout_s=200,
-    )  # fmt: skip
-    return result, out
+    with ThreadPoolExecutor(max_workers=2 + len(BAD_FLAGS_UNDER_TORCHRUN), thread_name_prefix="lab1") as pool:
+        futures = {
+            # One job as the lab sheet runs it: every check, then the default sweep with its JSON and plot.
+            "full": pool.submit(
+                run_lab1, "--checks-json", out / "checks.json", "--bench", "--json", out / "bench.json",
+                "--plot", out / "bench.png", timeout_s=200,
+            ),
+            "corrupt": pool.submit(run_lab1, "--corrupt-rank", "1"),
+        }  # fmt: skip
+        for flags, _ in BAD_FLAGS_UNDER_TORCHRUN:
+            futures[tuple(flags)] = pool.submit(run_lab1, *flags)
+        yield futures, out  # leaving the block waits for every job, also when a test failed
+
+
+@pytest.fixture(scope="module")
+def full_run(jobs):
+    futures, out = jobs
+    return futures["full"].result(), out
 
 
 @pytest.mark.timeout(240)
@@ -99,10 +128,10 @@ def test_the_barrier_verdict_fails_when_an_early_rank_did_not_wait():
     assert not barrier_held([0.21, 0.20], late_rank=1)  # the late rank waited too: it was not the last
 
 
-@pytest.mark.timeout(120)
-def test_the_checker_can_fail_a_corrupted_rank():
+@pytest.mark.timeout(240)
+def test_the_checker_can_fail_a_corrupted_rank(jobs):
     """Negative control (the lab's --corrupt-rank self-test): rank 1 contributes a wrong value."""
-    result = run_lab1("--corrupt-rank", "1")
+    result = jobs[0]["corrupt"].result()
     assert not result.timed_out and result.returncode != 0, result.describe()
     found = verdicts(result.stdout)
     # Broadcast from rank 0 and the barrier never read rank 1's data; everything else does.
@@ -171,16 +200,10 @@ def test_bad_flags_fail_with_one_line(args, expected, refused_flag_line):
     assert re.search(expected, refused_flag_line(load_lab1(), args))
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    ("args", "expected"),
-    [
-        (["--min-bytes", "3"], r"--min-bytes: must be a multiple of 4 bytes"),  # argparse, on every rank
-        (["--corrupt-rank", "2"], r"--corrupt-rank 2: there is no such rank \(0\.\.1\)"),  # after the set-up
-    ],
-)
-def test_bad_flags_under_torchrun_print_one_line_for_the_job(args, expected):
-    result = run_lab1(*args)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("args", "expected"), BAD_FLAGS_UNDER_TORCHRUN)
+def test_bad_flags_under_torchrun_print_one_line_for_the_job(jobs, args, expected):
+    result = jobs[0][tuple(args)].result()
     assert not result.timed_out and result.returncode != 0, result.describe()
     script_errors = [line for line in result.stderr.splitlines() if line.startswith("lab1_collectives.py: error:")]
     assert len(script_errors) == 1, result.describe()

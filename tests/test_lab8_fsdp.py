@@ -2,7 +2,7 @@
 
 One 2-rank launch with every implementation (few steps, one timing repeat) is shared by most tests
 (a module-scoped fixture). A second, small 2-rank launch runs the lab on a broken FSDP that sums the
-ranks' gradients instead of averaging them: the check must FAIL. The untouched exercise and the flag
+ranks' gradients instead of averaging them: the check must FAIL; it starts first, beside the shared one. The untouched exercise and the flag
 checks run in this process. The 4-rank figures (model state <= 0.30x DDP's) and the step-time target
 are the benchmark's (benchmarks/sharded_dp.py): a 4-rank launch costs more than this file may.
 """
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script, run_torchrun, start_in_background
 
 LAB8 = REPO_ROOT / "labs" / "lab8_fsdp.py"
 IMPLS = ["ddp", "zero1", "fsdp", "fully_shard"]
@@ -36,7 +36,16 @@ def lab8():
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def broken_launch(tmp_path_factory):
+    """The lab on BROKEN, started before the shared launch so that the two start up side by side; a Future."""
+    script = tmp_path_factory.mktemp("broken") / "broken_fsdp.py"
+    script.write_text(BROKEN)
+    args = [LAB8, "--impl", "fsdp", "--check-steps", "1", "--warmup-steps", "1", "--repeats", "0"]
+    return start_in_background(script, args, nproc=2, timeout_s=240, cwd=REPO_ROOT)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, broken_launch):
     path = tmp_path_factory.mktemp("lab8") / "records.json"
     result = run_torchrun(LAB8, ["--module", "solutions", "--impl", "all", "--json", path, *SMALL], nproc=2, timeout_s=300)
     assert result.ok, result.describe()
@@ -53,12 +62,9 @@ def test_every_implementation_matches_one_process(job):
 
 
 @pytest.mark.timeout(360)
-def test_a_broken_fsdp_that_sums_fails_the_check(tmp_path):
+def test_a_broken_fsdp_that_sums_fails_the_check(broken_launch):
     """The negative control: the same check catches an FSDP that forgets to average."""
-    script = tmp_path / "broken_fsdp.py"
-    script.write_text(BROKEN)
-    args = [LAB8, "--impl", "fsdp", "--check-steps", "1", "--warmup-steps", "1", "--repeats", "0"]
-    result = run_torchrun(script, args, nproc=2, timeout_s=240, cwd=REPO_ROOT)
+    result = broken_launch.result()
     assert result.returncode == 1, result.describe()
     assert "fsdp        max|w - one process|" in result.stdout and "FAIL" in result.stdout
     assert "error: the check FAILED" in result.stderr

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -20,7 +21,16 @@ SCRIPTS = REPO_ROOT / "lectures" / "scripts"
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def spawn_launch():
+    """The spawn demo, started before the job below so that the two start up side by side; a Future."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawn")
+    future = pool.submit(run_command, [sys.executable, str(SCRIPTS / "ddp_internals_spawn.py"), "--nprocs", "2"], timeout_s=90)
+    pool.shutdown(wait=False)
+    return future
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, spawn_launch):
     """(report, trace folder) of one run of the demo script."""
     out = tmp_path_factory.mktemp("lecture04")
     result = run_torchrun(SCRIPTS / "ddp_internals_demos.py", ["--json", out / "report.json", "--trace-dir", out / "traces"],
@@ -133,8 +143,8 @@ def test_hooks_and_overlap(job):
 
 
 @pytest.mark.timeout(120)
-def test_the_spawn_launcher_runs_two_ranks():
-    result = run_command([sys.executable, str(SCRIPTS / "ddp_internals_spawn.py"), "--nprocs", "2"], timeout_s=90)
+def test_the_spawn_launcher_runs_two_ranks(spawn_launch):
+    result = spawn_launch.result()
     assert result.ok, result.describe()
     assert sorted(result.stdout.splitlines()) == [f"[rank {r} of 2] all_reduce of the ranks' ids: 1" for r in (0, 1)]
 

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script, run_torchrun, start_in_background
 
 JOB = REPO_ROOT / "lectures" / "scripts" / "perf_ddp_job.py"
 TINY = ["--hook-steps", "11", "--profile-steps", "2", "--bucket-caps", "default,25", "--timing-steps", "1",
@@ -22,7 +22,13 @@ TINY = ["--hook-steps", "11", "--profile-steps", "2", "--bucket-caps", "default,
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def bad_flag_launch(tmp_path_factory):
+    """The bad-flag launch, started before the job below so that its start-up overlaps the job's; a Future."""
+    return start_in_background(JOB, ["--out-dir", tmp_path_factory.mktemp("bad_flag"), "--parts", "nonsense"], nproc=2, timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, bad_flag_launch):
     out_dir = tmp_path_factory.mktemp("perf_job")
     result = run_torchrun(JOB, ["--out-dir", out_dir, *TINY], nproc=2, timeout_s=420)
     assert result.ok, result.describe()
@@ -151,9 +157,9 @@ def test_bad_flags_give_one_line(refused_flag_line, args, message):
     assert message in refused_flag_line(job_module, args)
 
 
-@pytest.mark.timeout(60)
-def test_a_bad_flag_under_torchrun_exits_non_zero_without_traceback(tmp_path):
-    result = run_torchrun(JOB, ["--out-dir", tmp_path, "--parts", "nonsense"], nproc=2, timeout_s=60)
+@pytest.mark.timeout(120)
+def test_a_bad_flag_under_torchrun_exits_non_zero_without_traceback(bad_flag_launch):
+    result = bad_flag_launch.result()
     assert result.returncode not in (0, None)
     assert "perf_ddp_job.py: error: --parts: unknown nonsense" in result.stderr
     assert "[rank0]: Traceback" not in result.stderr and 'perf_ddp_job.py", line' not in result.stderr, result.describe()
