@@ -144,11 +144,16 @@ def save_digits(path: Path) -> Path:
     return path
 
 
+def default_script_args(out_dir: Path) -> list:
+    """Lab 4's flags for the checked script, which writes its model and metrics into out_dir."""
+    return [*SCRIPT_ARGS, "--save", out_dir / "model.pt", "--metrics-json", out_dir / "metrics.json"]
+
+
 def observe(script: Path, out_dir: Path, rescue: bool = True, script_args=None, env=None, timeout_s=None) -> Observation:
     """Run script on WORLD_SIZE observed ranks. By default with lab 4's flags; another checker passes
     its own script_args (the whole list), extra environment variables and time limit."""
     if script_args is None:
-        script_args = [*SCRIPT_ARGS, "--save", out_dir / "model.pt", "--metrics-json", out_dir / "metrics.json"]
+        script_args = default_script_args(out_dir)
     env = {
         "CUDA_VISIBLE_DEVICES": "", "LAB4_OBSERVE_RESCUE": "1" if rescue else "0",
         "LAB4_OBSERVE_DIGITS": str(save_digits(Path(out_dir) / "digits.pt")),  # the same tensors, about 2 CPU-seconds less per job
@@ -418,11 +423,16 @@ def check_collectives(obs: Observation) -> Verdict:
 def check(script: Path, out_dir: Path, rescue: bool = True, job_timeout_s: float | None = None) -> tuple[Observation, list[Verdict]]:
     """Run script under observation and decide the seven checks, in order (job_timeout_s None: JOB_TIMEOUT_S)."""
     obs = observe(script, out_dir, rescue, timeout_s=job_timeout_s)
+    return obs, judge(obs)
+
+
+def judge(obs: Observation) -> list[Verdict]:
+    """The seven checks, in order, from what one observed run left behind."""
     splits = digits()
     steps, problem = gradient_steps(obs, splits.train)
     scale_verdict, scale = check_gradient_scale(steps, problem, obs)
     saved_verdict, weights = check_saved_model(obs)
-    verdicts = [
+    return [
         check_data_split(obs, len(splits.train)),
         check_fresh_gradients(steps, problem, scale, obs),
         saved_verdict,
@@ -431,7 +441,13 @@ def check(script: Path, out_dir: Path, rescue: bool = True, job_timeout_s: float
         check_reported_accuracy(obs, weights, splits.test),
         scale_verdict,
     ]
-    return obs, verdicts
+
+
+def summary(verdicts: list[Verdict]) -> tuple[str, int]:
+    """The result line, and the exit status: 0 only when every check passed."""
+    counts = {status: sum(v.status == status for v in verdicts) for status in ("PASS", "FAIL", "BLOCKED")}
+    line = f"result: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['BLOCKED']} blocked of {len(verdicts)} checks"
+    return line, 0 if counts["PASS"] == len(verdicts) else 1
 
 
 def main(argv=None) -> int:
@@ -461,9 +477,9 @@ def main(argv=None) -> int:
     print(f"the job {obs.ended()}")
     for verdict in verdicts:
         print(verdict.line())
-    counts = {status: sum(v.status == status for v in verdicts) for status in ("PASS", "FAIL", "BLOCKED")}
-    print(f"result: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['BLOCKED']} blocked of {len(verdicts)} checks")
-    return 0 if counts["PASS"] == len(verdicts) else 1
+    result, status = summary(verdicts)
+    print(result)
+    return status
 
 
 if __name__ == "__main__":

@@ -12,19 +12,19 @@ reference is computed in this process. The command-line errors are checked in th
 
 import contextlib
 import io
-import json
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ddp_course.launch import REPO_ROOT, RunResult, import_script, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script
 
 CHECKER = REPO_ROOT / "labs" / "lab3_convert_check.py"
 SOLUTION = REPO_ROOT / "solutions" / "my_ddp.py"
 TRAIN_SINGLE = REPO_ROOT / "labs" / "train_single.py"
-OBSERVE_ROWS = REPO_ROOT / "tests" / "scripts" / "observe_rows.py"
+# The launching side of tests/scripts/observe_rows.py (lab 4's checker test shares it)
+observe_rows = import_script(REPO_ROOT / "tests" / "scripts" / "observe_rows.py")
 
 # Each mistake: (the check it must fail, the edits that put it into the solution: (old text, new text)).
 MISTAKES = {
@@ -105,43 +105,6 @@ def checker():
     return module
 
 
-def observe_in_one_launch(checker, scripts: dict, folder):
-    """{name: Observation} of each script, observed as checker.observe would, all in one torchrun launch."""
-    lab4 = checker.lab4
-    out_dirs = {name: folder / f"{name}-observed" for name in scripts}
-    rows = [{"name": name, "out_dir": str(out_dirs[name]), "script": str(script), "args": [str(a) for a in checker.script_args(out_dirs[name])]}
-            for name, script in scripts.items()]  # fmt: skip
-    rows_file = folder / "rows.json"
-    rows_file.write_text(json.dumps(rows, indent=1))
-    # lab4.observe's environment: GPUs hidden, collectives rescued, the digits from a file; plus the checker's own.
-    env = {"CUDA_VISIBLE_DEVICES": "", "LAB4_OBSERVE_RESCUE": "1", "LAB4_OBSERVE_DIGITS": str(lab4.save_digits(folder / "digits.pt")), **checker.OBSERVER_ENV}
-    launch = run_torchrun(OBSERVE_ROWS, [rows_file], nproc=checker.WORLD_SIZE, timeout_s=checker.JOB_TIMEOUT_S, env=env)
-    return {name: row_observation(lab4, launch, out_dir, checker.JOB_TIMEOUT_S) for name, out_dir in out_dirs.items()}
-
-
-def row_observation(lab4, launch: RunResult, out_dir, timeout_s):
-    """One row's Observation: its own output and exit status, as if it had had a launch of its own."""
-    ranks = range(lab4.WORLD_SIZE)
-    statuses = [json.loads(path.read_text()) if (path := out_dir / f"status-r{rank}.json").exists() else None for rank in ranks]
-    reached = all(statuses)
-    status = next((s["status"] for s in statuses if s and s["status"]), 0) if reached else launch.returncode
-
-    def read(stream):  # every rank's, as torchrun would have collected them
-        return "".join(path.read_text() for rank in ranks if (path := out_dir / f"{stream}-r{rank}.txt").exists())
-
-    run = RunResult(
-        command=[*launch.command, f"(row {out_dir.name})"], returncode=status, stdout=read("stdout"),
-        stderr=read("stderr") + ("" if reached else f"RuntimeError: this row did not finish (an earlier row failed?)\n{launch.stderr}"),
-        wall_s=max(s["wall_s"] for s in statuses) if reached else launch.wall_s, timed_out=launch.timed_out and not reached,
-    )  # fmt: skip
-    observation = lab4.Observation(run, out_dir, timeout_s=timeout_s)
-    for rank in ranks:
-        path = out_dir / f"events-r{rank}.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        observation.events[rank] = [event for event in map(lab4.parse_event, lines) if event is not None]
-    return observation
-
-
 @pytest.fixture(scope="module")
 def runs(checker, tmp_path_factory):
     """Every job of this file, in two launches side by side: {name: (RunResult, {check: 'STATUS evidence'}, exit status of main or None)}."""
@@ -161,7 +124,9 @@ def runs(checker, tmp_path_factory):
         scripts[name].write_text(with_mistake(SOLUTION.read_text(), edits))
     with ThreadPoolExecutor(max_workers=2) as pool:
         solution = pool.submit(command_line, SOLUTION)
-        observations = observe_in_one_launch(checker, scripts, folder)
+        observations = observe_rows.observe_in_one_launch(
+            checker.lab4, scripts, folder, checker.script_args, checker.OBSERVER_ENV, checker.JOB_TIMEOUT_S
+        )
         judged = {name: (obs.run, verdict_lines("\n".join(v.line() for v in checker.judge(obs))), None) for name, obs in observations.items()}
         return {"solution": solution.result(), **judged}
 

@@ -1,22 +1,30 @@
 """Lab 4: the checker finds every planted bug from what the script does, and only that bug.
 
-Each test reads a real torchrun job (2 gloo ranks on the CPU) run through labs/lab4_check.py, which
-runs the script under labs/lab4_observe.py. The copies with one bug are made here from the solution,
-with the same edits that turn the solution into labs/lab4_broken_ddp.py, so the exercise, the
-solution and these tests cannot drift apart.
+Each test reads a real torchrun job (2 gloo ranks on the CPU) run under labs/lab4_observe.py and
+judged by labs/lab4_check.py. The copies with one bug are made here from the solution, with the same
+edits that turn the solution into labs/lab4_broken_ddp.py, so the exercise, the solution and these
+tests cannot drift apart.
 
-Every launch of the file starts in one module fixture, `jobs`, 4 at a time: two of the jobs spend
-most of their time waiting (for gloo's timeout, for the checker's limit), and meanwhile the 2 cores
-run the others. One after another, the same launches took over 2 minutes.
+Nearly all of a job's CPU is start-up (Python and torch imports: about 10 CPU-seconds for torchrun's
+agent and 2 ranks), not its 2 epochs of training (issue 22). So the file launches as few jobs as
+its proofs need, all at once in one module fixture, `jobs`:
 
-Nearly all of a job's CPU is start-up (imports), not its 2 epochs of training, so the jobs stay as
-they are and start-up is what was cut: the observed ranks read the checker's saved copy of the
-digits instead of importing scikit-learn (LAB4_OBSERVE_DIGITS; test_observed_ranks_read_the_same_digits
-proves the tensors equal), and the test process loads the digits once for all its checks.
+- the learner's command, `python labs/lab4_check.py` on the exercise, end to end (exit status, output);
+- ONE launch for the 7 single-bug copies and the solution, row after row in the same 2 ranks
+  (tests/scripts/observe_rows.py; each row has its own observer, process group and store keys),
+  each judged by the checker's own judge(); bug 5's row is rescued by the observer, and the rows
+  after it must pass, so a rescued row is shown not to spoil the next ones;
+- the job that hangs and the unrescued exercise, each in a launch of its own: one is killed at the
+  checker's limit, the other dies at gloo's timeout, and both spend most of their time waiting while
+  the 2 cores run the others;
+- the minimal hang under TORCH_DISTRIBUTED_DEBUG=DETAIL.
+
+The bad command lines are parsed in this process (no torch start-up each). The observed ranks read
+the checker's saved copy of the digits instead of importing scikit-learn (LAB4_OBSERVE_DIGITS;
+test_observed_ranks_read_the_same_digits proves the tensors equal).
 """
 
 import ast
-import functools
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +38,8 @@ from ddp_course.launch import REPO_ROOT, import_script, run_command, run_torchru
 BROKEN = REPO_ROOT / "labs" / "lab4_broken_ddp.py"
 SOLUTION = REPO_ROOT / "solutions" / "lab4_broken_ddp.py"
 CHECKER = REPO_ROOT / "labs" / "lab4_check.py"
+# The launching side of tests/scripts/observe_rows.py (lab 3's checker test shares it)
+observe_rows = import_script(REPO_ROOT / "tests" / "scripts" / "observe_rows.py")
 
 # The seven planted bugs, each as the edit that puts it back into the solution: (old text, new text).
 BUGS = {
@@ -76,15 +86,21 @@ EVIDENCE = {
 LINE = re.compile(r"^(\d) (\S+) +(PASS|FAIL|BLOCKED) +(.*)$")
 
 # The checker's limit for the job that hangs: below its default (JOB_TIMEOUT_S, 60 s), so the test
-# sees the limit it was given, and far above the job's training (10 to 25 s with 3 other jobs running).
-HUNG_JOB_LIMIT_S = 45
-# (command after `python`, the one error line it must print)
+# sees the limit it was given, and 2.5x the time the job takes to reach its sleep (its last state
+# file written, counted from the launch) under this file's own load: 15.7, 15.4 and 15.2 s in 3
+# runs here (2 cores, 12:34-12:44 UTC, load average about 3). The job is killed at this limit, so
+# it bounds the file's wall time.
+HUNG_JOB_LIMIT_S = 40
+# The one launch of the single-bug copies and the solution (8 rows of 2 epochs each, after one start-up):
+# it ended after about 25 s under this file's own load here, 12:38 UTC; a hung row is killed at this limit.
+ROWS_TIMEOUT_S = 120
+# (script, its arguments, the one error line it must print)
 BAD_COMMAND_LINES = [
-    ([str(CHECKER), "no_such_script.py"], r"^lab4_check\.py: error: no such script: no_such_script\.py$"),
-    ([str(CHECKER), "--verbose"], r"^lab4_check\.py: error: unrecognized arguments: --verbose$"),
-    ([str(CHECKER), "--job-timeout-s", "0"], r"^lab4_check\.py: error: argument --job-timeout-s: must be a positive number, got 0$"),
-    ([str(BROKEN), "--timeout-s", "0"], r"^lab4_broken_ddp\.py: error: argument --timeout-s: must be a positive number, got 0$"),
-    ([str(SOLUTION), "--batch-size", "many"], r"^lab4_broken_ddp\.py: error: argument --batch-size: must be an integer, got 'many'$"),
+    (CHECKER, ["no_such_script.py"], r"^lab4_check\.py: error: no such script: no_such_script\.py$"),
+    (CHECKER, ["--verbose"], r"^lab4_check\.py: error: unrecognized arguments: --verbose$"),
+    (CHECKER, ["--job-timeout-s", "0"], r"^lab4_check\.py: error: argument --job-timeout-s: must be a positive number, got 0$"),
+    (BROKEN, ["--timeout-s", "0"], r"^lab4_broken_ddp\.py: error: argument --timeout-s: must be a positive number, got 0$"),
+    (SOLUTION, ["--batch-size", "many"], r"^lab4_broken_ddp\.py: error: argument --batch-size: must be an integer, got 'many'$"),
 ]  # fmt: skip
 
 
@@ -133,13 +149,29 @@ def hung_solution() -> str:
     return source.replace(before, "        time.sleep(3600)  # stuck after training, before writing the metrics\n" + before)
 
 
+def observe_bugs_and_solution(checker, folder) -> dict:
+    """{bug number, or "solution": Observation}, from ONE launch that runs them as rows (see the docstring).
+
+    Bug 5's row is rescued by the observer and finishes; the solution's row comes last, so the rows
+    after a rescued one are checked to be unharmed. A row that fails ends the launch: its test and
+    those of the rows after it fail, each with the row's own output.
+    """
+    scripts = {}
+    for bug in sorted(BUGS):
+        scripts[bug] = folder / f"bug{bug}" / "lab4_broken_ddp.py"  # the exercise's file name
+        scripts[bug].parent.mkdir()
+        scripts[bug].write_text(solution_with([bug]))
+    scripts["solution"] = SOLUTION
+    return observe_rows.observe_in_one_launch(checker, scripts, folder, checker.default_script_args, {}, ROWS_TIMEOUT_S)
+
+
 @pytest.fixture(scope="module")
 def jobs(checker, tmp_path_factory):
-    """Every launch of this file, started at once and run 4 at a time: {name: Future}.
+    """Every launch of this file, started at once: {name: Future}.
 
-    A test waits for its own job's result (a failed job fails only its test). A check runs in this
-    process (checker.check saves the checker's start-up) and gives (Observation, its seven lines);
-    the command-line runs give RunResults. The two jobs that mostly wait go first.
+    A test waits for its own job's result (a failed job fails only the tests that read it). A check
+    runs in this process (checker.check saves the checker's start-up) and gives (Observation, its
+    seven lines); "rows" gives {bug number or "solution": Observation}; the others give RunResults.
     """
 
     def check(name: str, script=None, make_source=None, **options):
@@ -151,23 +183,20 @@ def jobs(checker, tmp_path_factory):
         observation, verdicts = checker.check(script, folder / "observed", **options)
         return observation, "\n".join(verdict.line() for verdict in verdicts)
 
-    # 4 jobs of 3 processes at a time: the 2 cores stay busy while two jobs wait (see the module
-    # docstring), and every job keeps about 2x headroom under its time limit on a slower machine. A rank that crashes at exit fails its
-    # test: no relaunch here, and none by pytest (a rerun would only read this result again).
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    # 5 jobs of 3 processes (4 for the command line), all at once: the 2 cores stay busy while two of
+    # them wait (see the module docstring), and every job keeps over 2x headroom under its time limit
+    # on a slower machine. A rank that crashes at exit fails its test: no relaunch here, and none by
+    # pytest (a rerun would only read this result again).
+    minimal = REPO_ROOT / "labs" / "lab4_minimal_hang.py"
+    detail = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    with ThreadPoolExecutor(max_workers=5) as pool:
         futures = {
             "hung": pool.submit(check, "hung", make_source=hung_solution, job_timeout_s=HUNG_JOB_LIMIT_S),
             "unrescued": pool.submit(check, "unrescued", BROKEN, rescue=False),
             "broken": pool.submit(run_command, [sys.executable, str(CHECKER)], timeout_s=150),
-            "solution": pool.submit(run_command, [sys.executable, str(CHECKER), str(SOLUTION)], timeout_s=120),
+            "rows": pool.submit(observe_bugs_and_solution, checker, tmp_path_factory.mktemp("rows")),
+            "minimal": pool.submit(run_torchrun, minimal, [], nproc=2, timeout_s=120, env=detail),
         }
-        for bug in sorted(BUGS):
-            futures[bug] = pool.submit(check, f"bug{bug}", make_source=functools.partial(solution_with, [bug]))
-        minimal = REPO_ROOT / "labs" / "lab4_minimal_hang.py"
-        detail = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
-        futures["minimal"] = pool.submit(run_torchrun, minimal, [], nproc=2, timeout_s=120, env=detail)
-        for command, _ in BAD_COMMAND_LINES:
-            futures[tuple(command)] = pool.submit(run_command, [sys.executable, *command], timeout_s=50)
         yield futures  # leaving the block waits for every job, also when a test failed
 
 
@@ -175,6 +204,13 @@ def checked(jobs, name) -> tuple[object, dict[int, str]]:
     """(Observation, {check: 'STATUS evidence'}) of a job that jobs ran through checker.check."""
     observation, lines = jobs[name].result()
     return observation, verdict_lines(lines)
+
+
+def judged_row(checker, jobs, name) -> tuple[object, dict[int, str], list]:
+    """(Observation, {check: 'STATUS evidence'}, the verdicts) of a row, judged as the checker judges its own job."""
+    observation = jobs["rows"].result()[name]
+    verdicts = checker.judge(observation)
+    return observation, verdict_lines("\n".join(verdict.line() for verdict in verdicts)), verdicts
 
 
 def test_broken_script_is_the_solution_with_the_seven_bugs_put_back():
@@ -197,7 +233,7 @@ def test_observed_ranks_read_the_same_digits(checker, tmp_path):
             assert a.dtype == b.dtype and torch.equal(a, b), split
 
 
-@pytest.mark.timeout(300)  # this and the tests below may wait for the jobs queued before theirs
+@pytest.mark.timeout(300)  # this and the tests below wait for their job, started with the others by `jobs`
 def test_checker_fails_the_broken_script_with_evidence(jobs):
     broken_check = jobs["broken"].result()
     assert broken_check.returncode == 1, broken_check.describe()
@@ -234,21 +270,21 @@ def test_when_the_hang_kills_the_job_later_checks_are_blocked_not_guessed(jobs):
 
 
 @pytest.mark.timeout(300)
-def test_solution_passes_all_seven_checks(jobs):
-    result = jobs["solution"].result()
-    assert result.returncode == 0, result.describe()
-    verdicts = verdict_lines(result.stdout)
-    assert all(line.startswith("PASS ") for line in verdicts.values()), result.stdout
-    assert "in epoch 0 the ranks read disjoint shares (719, 719 samples) covering all 1438" in verdicts[1]
-    assert re.search(r"reported eval_accuracy 0\.\d{4} is the saved model's on all 359 held-out images", verdicts[6])
-    assert "result: 7 passed, 0 failed, 0 blocked of 7 checks" in result.stdout
+def test_solution_passes_all_seven_checks(checker, jobs):
+    """The solution's row, judged and summed up by the functions behind the checker's output and exit status."""
+    observation, lines, verdicts = judged_row(checker, jobs, "solution")
+    assert observation.run.ok and observation.ended() == "finished", observation.run.describe()
+    assert all(line.startswith("PASS ") for line in lines.values()), lines
+    assert "in epoch 0 the ranks read disjoint shares (719, 719 samples) covering all 1438" in lines[1]
+    assert re.search(r"reported eval_accuracy 0\.\d{4} is the saved model's on all 359 held-out images", lines[6])
+    assert checker.summary(verdicts) == ("result: 7 passed, 0 failed, 0 blocked of 7 checks", 0)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("bug", sorted(BUGS))
-def test_each_bug_alone_fails_its_check_and_only_it(jobs, bug):
-    """A job of its own for each bug: the solution with that one edit (see jobs)."""
-    observation, verdicts = checked(jobs, bug)
+def test_each_bug_alone_fails_its_check_and_only_it(checker, jobs, bug):
+    """A row of its own for each bug: the solution with that one edit (see observe_bugs_and_solution)."""
+    observation, verdicts, _ = judged_row(checker, jobs, bug)
     assert observation.run.ok, observation.run.describe()
     assert re.match(EVIDENCE[bug], verdicts[bug]), verdicts[bug]
     others = {number: line for number, line in verdicts.items() if number != bug}
@@ -268,12 +304,17 @@ def test_a_job_that_hangs_is_killed_and_reported(checker, jobs):
         assert verdicts[number].startswith("PASS "), verdicts[number]
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(("command", "expected"), BAD_COMMAND_LINES)
-def test_bad_command_lines_fail_with_one_line(jobs, command, expected):
-    result = jobs[tuple(command)].result()
-    assert result.returncode == 2 and not result.stdout, result.describe()
-    assert re.match(expected, result.stderr.strip()) and len(result.stderr.strip().splitlines()) == 1, result.describe()
+@pytest.mark.parametrize(("script", "args", "expected"), BAD_COMMAND_LINES, ids=[f"{s.name} {' '.join(a)}" for s, a, _ in BAD_COMMAND_LINES])
+def test_bad_command_lines_fail_with_one_line(script, args, expected, monkeypatch, capsys):
+    """Parsed in this process, as `python SCRIPT ARGS` would parse them (no torchrun: RANK is unset)."""
+    module = import_script(script, name=f"{script.parent.name}_{script.stem}_command_line")
+    monkeypatch.setattr(sys, "argv", [str(script), *args])
+    monkeypatch.delenv("RANK", raising=False)  # under torchrun, ranks other than 0 stay silent
+    with pytest.raises(SystemExit) as stopped:
+        module.main(args) if script == CHECKER else module.parse_args(args)
+    printed = capsys.readouterr()
+    assert stopped.value.code == 2 and not printed.out, printed
+    assert re.match(expected, printed.err.strip()) and len(printed.err.strip().splitlines()) == 1, printed
 
 
 @pytest.mark.timeout(300)

@@ -3,12 +3,13 @@
     torchrun --standalone --nproc_per_node=2 tests/scripts/observe_rows.py ROWS.json
 
 ROWS.json is a list of {"name": ..., "out_dir": ..., "script": ..., "args": [...]}. For tests only
-(tests/test_lab3_convert_check.py): most of an observed job is Python, torch and torch._dynamo
-start-up (about 10 CPU-seconds for the agent and 2 ranks), and the lab 3 checker's planted mistakes
-are 7 short jobs of the same kind. Here each rank starts once and runs the rows one after another,
-each exactly as labs/lab4_observe.py's main() runs its one script: a fresh Recorder writing into the
-row's out_dir, the script run as __main__ with its own argv, then the "exit" event and the finished
-state. What differs from a launch of its own is written into out_dir for the test to read:
+(tests/test_lab3_convert_check.py, tests/test_lab4_checker.py): most of an observed job is Python,
+torch and torch._dynamo start-up (about 10 CPU-seconds for the agent and 2 ranks), and each
+checker's planted mistakes are 7 short jobs of the same kind. Here each rank starts once and runs
+the rows one after another, each exactly as labs/lab4_observe.py's main() runs its one script: a
+fresh Recorder writing into the row's out_dir, the script run as __main__ with its own argv, then
+the "exit" event and the finished state. What differs from a launch of its own is written into
+out_dir for the test to read:
 
 - stdout-r<rank>.txt, stderr-r<rank>.txt: what the row's script printed from Python (torchrun would
   have collected it);
@@ -18,6 +19,10 @@ The observer's patches are installed once and report to the current row's Record
 process group gets torchrun's store under a key prefix of its own (record_collectives.py). A row
 that fails on some rank ends the launch with its status: a peer may be blocked in DDP's gradient
 all-reduce, which the observer cannot rescue; the later rows leave no status file.
+
+The tests import this file too (ddp_course.launch.import_script) for the launching side:
+observe_in_one_launch() writes ROWS.json, launches it, and reads each row back as the Observation
+that the checker's own observe() would have given (row_observation), for the checker to judge.
 """
 
 from __future__ import annotations
@@ -34,12 +39,53 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ddp_course.launch import import_script
-from record_collectives import give_each_row_its_own_store_keys
+from ddp_course.launch import RunResult, import_script, run_torchrun
 
 OBSERVER = Path(__file__).resolve().parents[2] / "labs" / "lab4_observe.py"
 
 
+# --- the launching side, in the test process -------------------------------------------------------------
+def observe_in_one_launch(lab4, scripts: dict, folder: Path, script_args, env: dict, timeout_s: float) -> dict:
+    """{name: Observation} of each script, observed as lab4.observe would, all in one torchrun launch.
+
+    lab4 is labs/lab4_check.py as a module; script_args(out_dir) gives a script's flags; env is the
+    checker's own observer settings; timeout_s bounds the whole launch.
+    """
+    out_dirs = {name: folder / f"{name}-observed" for name in scripts}
+    rows = [{"name": name, "out_dir": str(out_dirs[name]), "script": str(script), "args": [str(a) for a in script_args(out_dirs[name])]}
+            for name, script in scripts.items()]  # fmt: skip
+    rows_file = folder / "rows.json"
+    rows_file.write_text(json.dumps(rows, indent=1))
+    # lab4.observe's environment: GPUs hidden, collectives rescued, the digits from a file; plus the checker's own.
+    env = {"CUDA_VISIBLE_DEVICES": "", "LAB4_OBSERVE_RESCUE": "1", "LAB4_OBSERVE_DIGITS": str(lab4.save_digits(folder / "digits.pt")), **env}
+    launch = run_torchrun(Path(__file__).resolve(), [rows_file], nproc=lab4.WORLD_SIZE, timeout_s=timeout_s, env=env)
+    return {name: row_observation(lab4, launch, out_dir, timeout_s) for name, out_dir in out_dirs.items()}
+
+
+def row_observation(lab4, launch: RunResult, out_dir: Path, timeout_s: float):
+    """One row's Observation: its own output and exit status, as if it had had a launch of its own."""
+    ranks = range(lab4.WORLD_SIZE)
+    statuses = [json.loads(path.read_text()) if (path := out_dir / f"status-r{rank}.json").exists() else None for rank in ranks]
+    reached = all(statuses)
+    status = next((s["status"] for s in statuses if s and s["status"]), 0) if reached else launch.returncode
+
+    def read(stream):  # every rank's, as torchrun would have collected them
+        return "".join(path.read_text() for rank in ranks if (path := out_dir / f"{stream}-r{rank}.txt").exists())
+
+    run = RunResult(
+        command=[*launch.command, f"(row {out_dir.name})"], returncode=status, stdout=read("stdout"),
+        stderr=read("stderr") + ("" if reached else f"RuntimeError: this row did not finish (an earlier row failed?)\n{launch.stderr}"),
+        wall_s=max(s["wall_s"] for s in statuses) if reached else launch.wall_s, timed_out=launch.timed_out and not reached,
+    )  # fmt: skip
+    observation = lab4.Observation(run, out_dir, timeout_s=timeout_s)
+    for rank in ranks:
+        path = out_dir / f"events-r{rank}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        observation.events[rank] = [event for event in map(lab4.parse_event, lines) if event is not None]
+    return observation
+
+
+# --- the ranks' side, under torchrun ---------------------------------------------------------------------
 class CurrentRecorder:
     """What the observer's patches report to: the Recorder of the row that runs now."""
 
@@ -85,6 +131,9 @@ def run_row(observer, proxy: CurrentRecorder, row: dict, rank: int, world_size: 
 
 
 def main(rows_file: str) -> int:
+    # Found beside this file only when it runs as a script (sys.path[0]); the tests' import needs none of it.
+    from record_collectives import give_each_row_its_own_store_keys
+
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     observer = import_script(OBSERVER, name="lab4_observe")
     proxy = CurrentRecorder()
