@@ -5,9 +5,11 @@ one uninterrupted run and three crash-and-restart runs of a model with dropout
 (benchmarks/lab7_crash_trials.py's trial functions, so the test and the 10-trial benchmark judge
 alike; in the last one rank 1 also plays a node with a stale view of the checkpoint directory when
 it restarts), a resume in which rank 1 loads a stale copy of the newest checkpoint, one elastic
-job of two agents that loses one, and two launches the lab refuses.
+job of two agents that loses one, and a torchrun the lab refuses. The lab's other refusal, a
+--crash-rank outside the job, needs the job's size but no second process: main() runs here with
+the context of a rank of 2 (its one-line exit under torchrun is the refused launch's).
 
-The `launches` fixture runs the eight in threads: the elastic job spends most of its time waiting
+The `launches` fixture runs the seven in threads: the elastic job spends most of its time waiting
 (for the rendezvous's heartbeat and last-call timeouts) and the others use that time, two at a
 time (LAUNCHES_AT_ONCE), so the module takes about as long as the CPU work of its launches
 instead of the sum of their durations. A launch's deadline (run_torchrun's timeout_s) counts from
@@ -17,6 +19,7 @@ its own start, not from its place in the queue.
 import json
 import re
 import shutil
+import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +28,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from ddp_course.distributed import DistContext
 from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 from ddp_course.models import DigitsCNN
 from ddp_course.multinode import Agent, agent_command, free_port, port_is_open, wait_until
@@ -136,7 +140,7 @@ def launches(trials, tmp_path_factory):
     order submitted: the uninterrupted run first, as the stale-file resume waits for its checkpoints.
     """
     crash_dir, elastic_dir = tmp_path_factory.mktemp("crash_trials"), tmp_path_factory.mktemp("elastic")
-    no_variable_dir, no_such_rank_dir = tmp_path_factory.mktemp("no_variable"), tmp_path_factory.mktemp("no_such_rank")
+    no_variable_dir = tmp_path_factory.mktemp("no_variable")
     driver = crash_dir / "stale_node.py"
     driver.write_text(STALE_NODE)
     # One thread for the elastic job, which waits most of its time; LAUNCHES_AT_ONCE for the rest.
@@ -153,7 +157,6 @@ def launches(trials, tmp_path_factory):
             futures[crash] = pool.submit(trials.crash_run, crash_dir, *crash, driver=stale_listing)
         # It gets a thread when three launches have ended, the reference (started first) almost surely one.
         futures["file"] = pool.submit(stale_file_launch, crash_dir, trials, driver, futures["reference"])
-        futures["no such rank"] = pool.submit(launch_with_a_missing_crash_rank, no_such_rank_dir)
         futures["no variable"] = pool.submit(launch_without_the_variable, no_variable_dir)
         yield {"crash_dir": crash_dir, "elastic_dir": elastic_dir, "no_variable_dir": no_variable_dir, **futures}
         # Leaving the `with` waits for every launch; each has a deadline (run_torchrun's timeout_s).
@@ -412,6 +415,10 @@ def test_torchrun_without_the_variable_is_refused_with_one_line(launches):
         "lab7_fault_tolerance.py: error: torchrun's restarts (--max-restarts, --nnodes=MIN:MAX) need "
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment: put it before torchrun"
     ], result.describe()
+    # A CourseError ends each worker through main()'s one line: torchrun adds its own ChildFailedError
+    # traceback, but no worker may print one (the crash-rank test below runs the same path in-process).
+    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
+    assert 'lab7_fault_tolerance.py", line' not in result.stderr, result.describe()
     assert not (launches["no_variable_dir"] / "c").exists()
 
 
@@ -432,17 +439,19 @@ def test_bad_flags_are_refused_with_one_line(args, expected, refused_flag_line):
     assert re.search(expected, refused_flag_line(import_script(LAB7), args))
 
 
-def launch_with_a_missing_crash_rank(directory):
-    flags = ["--checkpoint-dir", directory / "c", "--crash-at-step", 3, "--crash-rank", 2, "--timeout-s", 30]
-    return run_torchrun(LAB7, flags, nproc=2, timeout_s=300, env=RESTART_SAFE_ENV)
-
-
-@pytest.mark.timeout(1200)
-def test_a_crash_rank_outside_the_job_fails_with_one_line(launches):
-    result = launches["no such rank"].result()
-    assert not result.ok and not result.timed_out, result.describe()
-    errors = [line for line in result.stderr.splitlines() if line.startswith("lab7_fault_tolerance.py: error:")]
-    assert errors == ["lab7_fault_tolerance.py: error: --crash-rank 2 does not exist in a job of 2 ranks"], result.describe()
-    # torchrun adds its own ChildFailedError traceback; no worker may print one.
-    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
-    assert 'lab7_fault_tolerance.py", line' not in result.stderr, result.describe()
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_crash_rank_outside_the_job_fails_with_one_line(rank, tmp_path, monkeypatch, capsys):
+    """Every rank of a 2-rank job refuses --crash-rank 2 before training, through main()'s one-line exit
+    (rank 0 speaks for the job): here, main() with the context setup_distributed() gives that rank under
+    torchrun, so no process group and no second process are needed."""
+    lab7 = import_script(LAB7)
+    context = DistContext(rank=rank, local_rank=rank, world_size=2, backend="gloo", device=torch.device("cpu"))
+    monkeypatch.setattr(lab7, "setup_distributed", lambda backend, timeout_s: context)
+    monkeypatch.setattr(sys, "argv", [str(LAB7)])  # log_error names the script from argv[0]
+    monkeypatch.setenv("RANK", str(rank))  # log_error speaks on rank 0 only
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)  # as under torchrun with RESTART_SAFE_ENV
+    args = lab7.parse_args(["--checkpoint-dir", str(tmp_path / "c"), "--crash-at-step", "3", "--crash-rank", "2"])
+    assert lab7.main(args) == 1  # an exception escaping main() would fail the test: a traceback for a user mistake
+    expected = ["lab7_fault_tolerance.py: error: --crash-rank 2 does not exist in a job of 2 ranks"] if rank == 0 else []
+    assert capsys.readouterr().err.splitlines() == expected
+    assert not (tmp_path / "c").exists()  # refused before any checkpoint
