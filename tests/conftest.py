@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ddp_course.launch import REPO_ROOT, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 
 LAB3 = REPO_ROOT / "labs" / "lab3_ddp.py"
 
@@ -43,6 +43,19 @@ def sharding_checks(tmp_path_factory):
         return launched[nproc]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def lab2_launches(tmp_path_factory):
+    """The launches tests/test_lab2_sampler.py and tests/test_lab2_join.py share (tests/scripts/lab2_launches.py).
+
+    Started by the first test that asks; `.row(key)` waits for the launch that holds that run. The
+    session waits for every launch before it ends.
+    """
+    module = import_script(REPO_ROOT / "tests" / "scripts" / "lab2_launches.py", "lab2_launches")
+    launches = module.Lab2Launches(tmp_path_factory)
+    yield launches
+    launches.wait_for_all()
 
 
 @pytest.fixture(scope="session")

@@ -1,23 +1,27 @@
 """labs/lab2_join.py: DDP on uneven inputs hangs until the timeout without Join, and finishes with it.
 
-The three launches start together in one module fixture, `jobs`: the hang demo spends most of its
-time waiting for its own 3 s timeout, and the 2 cores run the Join jobs meanwhile. The file took
-22-25 s with the launches one after another, 19-22 s so (2026-11-25, 2 cores).
+The three runs under torchrun (--join on 2 and 3 ranks, the hang demo without Join) are rows of the 2
+rows launches that this file shares with tests/test_lab2_sampler.py (tests/scripts/lab2_launches.py):
+each row has its own argv, process group, output files and expected exit status, and its
+collectives' devices are checked on the way. The hang demo is the last row of the 2-rank launch.
+3 launches of their own took 19-22 s (side by side, 2026-11-25, 2 cores), most of it start-up.
 """
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script
 
 LAB2_JOIN = REPO_ROOT / "labs" / "lab2_join.py"
 TRAIN_DIGITS = 1438
+# The plan of the runs both lab-2 test files share (the launches themselves: conftest's lab2_launches).
+lab2_plan = import_script(REPO_ROOT / "tests" / "scripts" / "lab2_launches.py", "lab2_launches")
 
 
-# (ranks, steps each rank runs) of the jobs with --join; the 2-rank job is the hang demo's, fixed.
+# (ranks, steps each rank runs) of the runs with --join; the 2-rank run is the hang demo's, fixed.
 JOIN_RUNS = [(2, [15, 30]), (3, [8, 15, 23])]
+assert [nproc for nproc, _ in JOIN_RUNS] == lab2_plan.JOIN_RANKS
 
 
 def load_module():
@@ -25,23 +29,12 @@ def load_module():
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """{key: (Future of RunResult, path of its --json report)}: the hang demo ("no join") and the JOIN_RUNS.
+def lab2_row(lab2_launches):
+    """lab2_row(key) -> the RowRun of one run: ("no join",) is the hang demo, ("join", ranks) the others.
 
-    A test waits for its own job's result, so a failed job fails only its test. No relaunch.
-    """
-    with ThreadPoolExecutor(max_workers=len(JOIN_RUNS) + 1, thread_name_prefix="lab2_join") as pool:  # all at once
-        futures = {}
-
-        def submit(key, flags, nproc):
-            report = tmp_path_factory.mktemp("-".join(map(str, key))) / "r.json"
-            future = pool.submit(run_torchrun, LAB2_JOIN, [*flags, "--json", report], nproc=nproc)
-            futures[key] = (future, report)
-
-        for nproc, _ in JOIN_RUNS:
-            submit(("join", nproc), ["--join", "--timeout-s", "30"], nproc)
-        submit(("no join",), ["--timeout-s", "3"], 2)
-        yield futures  # leaving the block waits for every job, also when a test failed
+    The first call starts the shared launches; a test waits for its own row's launch, and a failed
+    row fails its test (and the rows after it in its launch theirs). No relaunch."""
+    return lab2_launches.row
 
 
 @pytest.mark.timeout(30)
@@ -62,32 +55,33 @@ def test_the_hang_demo_runs_on_gloo_unless_nccl_is_asked_for():
         assert fact in lab2_join.NCCL_NOTE
 
 
-@pytest.mark.timeout(120)
-def test_without_join_every_rank_says_where_it_stopped(jobs):
-    future, report = jobs[("no join",)]
-    result = future.result()
-    assert not result.timed_out and result.returncode != 0, result.describe()
-    stopped = dict(re.findall(r"^\[rank (\d)\] stopped (.*)$", result.stdout, flags=re.MULTILINE))
-    assert stopped.keys() == {"0", "1"}, result.describe()
+@pytest.mark.timeout(300)  # the launched tests may wait for their whole launch
+def test_without_join_every_rank_says_where_it_stopped(lab2_row):
+    run = lab2_row(("no join",))
+    report = run.folder / "r.json"
+    assert run.expected_status == 1 and run.ended_as_expected(), run.describe()  # exit status 1 on every rank
+    assert run.made_collective_calls(ranks=[0]), run.describe()  # its barrier; rank 1 waits in DDP's C++ all-reduce, unseen
+    stdout = run.stdout(0) + run.stdout(1)  # each rank's lines are in its own file
+    stopped = dict(re.findall(r"^\[rank (\d)\] stopped (.*)$", stdout, flags=re.MULTILINE))
+    assert stopped.keys() == {"0", "1"}, run.describe()
     # The job ended by its own 3 s timeout, not a hang: a fact in the output rather than a wall-clock
     # bound that a loaded machine can break. One rank reports the timeout; the other may report it
     # too or see its peer close the connection.
-    assert any("Timed out waiting 3000ms" in reason for reason in stopped.values()), result.describe()
+    assert any("Timed out waiting 3000ms" in reason for reason in stopped.values()), run.describe()
     # Rank 0 has 15 batches and waits at the barrier; rank 1 waits in the all-reduce of its step 16.
-    assert stopped["0"].startswith("at the end-of-epoch barrier (of 15 batches)"), result.describe()
-    assert stopped["1"].startswith("in the gradient all-reduce of step 16 (of 30 batches)"), result.describe()
-    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr, result.describe()
+    assert stopped["0"].startswith("at the end-of-epoch barrier (of 15 batches)"), run.describe()
+    assert stopped["1"].startswith("in the gradient all-reduce of step 16 (of 30 batches)"), run.describe()
+    assert not run.a_rank_printed_a_traceback(), run.describe()
     assert not report.exists()
-    assert "backend=nccl" not in result.stdout  # the NCCL note is printed on NCCL only
+    assert "backend=nccl" not in stdout  # the NCCL note is printed on NCCL only
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(("nproc", "expected_steps"), JOIN_RUNS)
-def test_join_lets_uneven_ranks_finish_with_identical_weights(jobs, read_json, nproc, expected_steps):
-    future, report_file = jobs[("join", nproc)]
-    result = future.result()
-    assert result.ok, result.describe()
-    report = read_json(report_file)
+def test_join_lets_uneven_ranks_finish_with_identical_weights(lab2_row, read_json, nproc, expected_steps):
+    run = lab2_row(("join", nproc))
+    assert run.ended_as_expected() and run.made_collective_calls(), run.describe()  # status 0, devices checked
+    report = read_json(run.folder / "r.json")
     assert report["join"] is True and report["world_size"] == nproc
     assert report["steps_per_rank"] == expected_steps
     assert report["same_weights_on_every_rank"] is True

@@ -1,30 +1,33 @@
 """labs/lab2_sampler.py launched as a learner launches it (torchrun, gloo ranks on the CPU), and its checks.
 
-Every launch of the file starts in one module fixture, `jobs`, 3 at a time (the pattern of
-tests/test_lab4_checker.py): a job spends part of its time waiting (torchrun's agent, gloo's
-rendezvous, one rank for the other), and meanwhile the 2 cores run the others. One after another,
-the 8 launches took 48 s on a quiet machine; 3 at a time, 32 to 37 s.
+Of the 8 runs under torchrun (2 good runs, 4 planted bugs, 2 bad flags), 7 are rows of the 2 launches
+that this file shares with tests/test_lab2_join.py, and the bad flag --epochs 1 has a launch of its
+own (tests/scripts/lab2_launches.py says how and why): each row has its own argv, process group,
+output files and expected exit status, and its collectives' devices are checked on the way. 8
+launches of their own took 32 to 37 s (3 at a time) on 2 cores, most of it torchrun's and torch's
+start-up, 8 times over.
 """
 
 import json
 import math
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
 from ddp_course.data import load_digits
-from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script
 from ddp_course.models import DigitsCNN
 
 LAB2 = REPO_ROOT / "labs" / "lab2_sampler.py"
 CHECKS = ["split", "disjoint", "coverage", "drop_last", "set_epoch", "same seed", "exact metric"]
+# The plan of the runs both lab-2 test files share (the launches themselves: conftest's lab2_launches).
+lab2_plan = import_script(REPO_ROOT / "tests" / "scripts" / "lab2_launches.py", "lab2_launches")
 
 
 # The runs that pass: (world size, held-out digits scored). The planted bugs: (bug, checks it must fail).
-GOOD_RUNS = [(2, 359), (3, 31)]
+GOOD_RUNS = lab2_plan.SAMPLER_GOOD_RUNS  # [(2, 359), (3, 31)]
 ALL_BUT_SAME_SEED = {"split", "disjoint", "coverage", "drop_last", "set_epoch", "exact metric"}
 BUG_RUNS = [
     ("same-rank", ALL_BUT_SAME_SEED),
@@ -37,37 +40,17 @@ BAD_FLAG_RUNS = [
     (["--epochs", "1"], r"--epochs must be 2 or more"),  # argparse, on every rank
     (["--eval-size", "400"], r"--eval-size must be at most 359"),  # after the set-up, on every rank
 ]
-
-
-def run_lab2(*args, nproc=2, timeout_s=120):
-    return run_torchrun(LAB2, args, nproc=nproc, timeout_s=timeout_s)
+assert [bug for bug, _ in BUG_RUNS] == lab2_plan.SAMPLER_BUGS
+assert sorted(flags for flags, _ in BAD_FLAG_RUNS) == sorted(lab2_plan.SAMPLER_BAD_FLAGS)
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """Every launch of this file, started at once and run 3 at a time: {key: (Future of RunResult, folder)}.
+def lab2_row(lab2_launches):
+    """lab2_row(key) -> the RowRun of one run (keys as in lab2_plan.planned_runs), waiting for its launch.
 
-    A test waits for its own job's result, so a failed job fails only its test; the job's --json
-    report and saved model are in its folder. The longest jobs (training, 3 ranks) go first. No
-    relaunch of a failed job, here or by pytest.
-    """
-    # At most 3 jobs (7 processes) at a time: each keeps about 2x headroom under its 120 s limit.
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {}
-
-        def submit(key, args, nproc=2):
-            folder = tmp_path_factory.mktemp("-".join(map(str, key)))
-            args = [str(folder / arg) if arg in ("lab2.json", "model.pt") else arg for arg in args]
-            futures[key] = (pool.submit(run_lab2, *args, nproc=nproc), folder)
-
-        for nproc, eval_size in GOOD_RUNS:
-            args = ["--dataset-size", "11", "--eval-size", eval_size, "--json", "lab2.json", "--save-model", "model.pt"]
-            submit(("good", nproc), args, nproc=nproc)
-        for bug, _ in BUG_RUNS:
-            submit(("bug", bug), ["--bug", bug, "--json", "lab2.json"])
-        for flags, _ in BAD_FLAG_RUNS:
-            submit(("flags", *flags), flags)
-        yield futures  # leaving the block waits for every job, also when a test failed
+    The first call starts the shared launches. A failed row fails its test, and the rows after it in
+    its launch (never run) fail theirs. No relaunch, here or by pytest."""
+    return lab2_launches.row
 
 
 def load_lab2_module():
@@ -98,15 +81,20 @@ def status_lines(stdout):
     return re.findall(r"^(PASS|FAIL) (.+?):", stdout, flags=re.MULTILINE)
 
 
-@pytest.mark.timeout(300)  # this and the launched tests below may wait for the jobs queued before theirs
+def no_traceback(run):
+    """No rank printed a Python traceback (a user mistake or a planted bug ends in the lab's own lines only)."""
+    return not run.a_rank_printed_a_traceback() and 'lab2_sampler.py", line' not in run.job_stderr()
+
+
+@pytest.mark.timeout(300)  # this and the launched tests below may wait for their whole launch
 @pytest.mark.parametrize(("nproc", "eval_size"), GOOD_RUNS)
-def test_all_checks_pass_and_the_exact_metric_equals_one_process(jobs, nproc, eval_size):
-    future, folder = jobs[("good", nproc)]
-    result = future.result()
-    report_file, weights = folder / "lab2.json", folder / "model.pt"
-    assert result.ok, result.describe()
-    assert status_lines(result.stdout) == [("PASS", name) for name in CHECKS], result.describe()
-    assert "all 7 checks passed" in result.stdout
+def test_all_checks_pass_and_the_exact_metric_equals_one_process(lab2_row, nproc, eval_size):
+    run = lab2_row(("good", nproc))
+    report_file, weights = run.folder / "lab2.json", run.folder / "model.pt"
+    assert run.ended_as_expected() and run.made_collective_calls(), run.describe()  # status 0, devices checked
+    assert status_lines(run.stdout()) == [("PASS", name) for name in CHECKS], run.describe()
+    assert "all 7 checks passed" in run.stdout()
+    assert not any(status_lines(run.stdout(rank)) for rank in range(1, nproc))  # rank 0 speaks for the job
 
     report = json.loads(report_file.read_text())
     assert (report["world_size"], report["backend"], report["dataset_size"], report["epochs"]) == (nproc, "gloo", 11, 3)
@@ -137,16 +125,15 @@ def test_all_checks_pass_and_the_exact_metric_equals_one_process(jobs, nproc, ev
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("bug", "failing"), BUG_RUNS)
-def test_each_planted_bug_fails_its_checks(jobs, bug, failing):
+def test_each_planted_bug_fails_its_checks(lab2_row, bug, failing):
     """Negative controls: the checks can fail, and each bug fails exactly the checks it should."""
-    future, folder = jobs[("bug", bug)]
-    result = future.result()
-    report_file = folder / "lab2.json"
-    assert not result.timed_out and result.returncode == 1, result.describe()
-    assert {name for status, name in status_lines(result.stdout) if status == "FAIL"} == failing, result.describe()
-    assert f"{len(failing)} of 7 checks FAILED" in result.stdout
+    run = lab2_row(("bug", bug))
+    report_file = run.folder / "lab2.json"
+    assert run.expected_status == 1 and run.ended_as_expected(), run.describe()  # exit status 1 on every rank
+    assert {name for status, name in status_lines(run.stdout()) if status == "FAIL"} == failing, run.describe()
+    assert f"{len(failing)} of 7 checks FAILED" in run.stdout()
     assert {name for name, passed in json.loads(report_file.read_text())["checks"].items() if not passed} == failing
-    assert "[rank0]: Traceback" not in result.stderr and 'lab2_sampler.py", line' not in result.stderr, result.describe()
+    assert no_traceback(run), run.describe()
 
 
 @pytest.mark.timeout(60)
@@ -190,9 +177,9 @@ def test_bad_flags_fail_with_one_line(args, expected, refused_flag_line):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("args", "expected"), BAD_FLAG_RUNS)
-def test_bad_flags_under_torchrun_print_one_line_for_the_job(jobs, args, expected):
-    result = jobs[("flags", *args)][0].result()
-    assert not result.timed_out and result.returncode != 0, result.describe()
-    errors = [line for line in result.stderr.splitlines() if line.startswith("lab2_sampler.py: error:")]
-    assert len(errors) == 1 and re.search(expected, errors[0]), result.describe()
-    assert "[rank0]: Traceback" not in result.stderr and 'lab2_sampler.py", line' not in result.stderr, result.describe()
+def test_bad_flags_under_torchrun_print_one_line_for_the_job(lab2_row, args, expected):
+    run = lab2_row(("flags", *args))
+    assert run.expected_status != 0 and run.ended_as_expected(), run.describe()  # a non-zero status (every rank's, in a row)
+    errors = [line for line in run.job_stderr().splitlines() if line.startswith("lab2_sampler.py: error:")]
+    assert len(errors) == 1 and re.search(expected, errors[0]), run.describe()
+    assert no_traceback(run), run.describe()

@@ -18,16 +18,23 @@ Several scripts in one launch (most of a launch is Python and torch start-up, ab
 
     torchrun ... tests/scripts/record_collectives.py --rows ROWS.json
 
-ROWS.json is a list of {"name": ..., "script": ..., "args": [...]}. Each rank imports torch once and
-runs the rows one after another, each as __main__ with its own argv; calls are counted per row and
-each row ends with its own line:
+ROWS.json is a list of {"name": ..., "script": ..., "args": [...]}, each optionally with
+"expect_status" (the exit status the row must end with, 0 unless given: a lab's planted bug or bad
+flag exits non-zero on purpose) and "out_dir" (the row's own stdout and stderr, as
+out_dir/stdout-r<rank>.txt and stderr-r<rank>.txt, instead of the launch's shared streams). Each
+rank imports torch once and runs the rows one after another, each as __main__ with its own argv;
+the ranks start each row together (a barrier on torchrun's store: a row with a short timeout must
+not spend it waiting for a peer still busy with the previous row); calls are counted per row and
+each row ends with its own line on the launch's stdout:
     [collectives rank R row NAME] status S calls N violations M ops ...
 The rows' scripts create and destroy their process group in main(); each row's group gets torchrun's
 store under a key prefix of its own (give_each_row_its_own_store_keys), since a second group on the
 same keys would read the first one's closed addresses. What a script may change for the rest of the process (environment variables, sys.path,
 the distributed debug level, the repository's own modules) is put back after each row. A row that
-fails (an exception or a non-zero exit status) ends the launch with its status: its peers may be
-waiting in a collective it will never join, and the later rows would start from a broken state.
+fails (any exit status but its expected one, an exception included) ends the launch with its status,
+or 1 if it passed where it should have failed: its peers may be waiting in a collective it will never
+join, and the later rows would start from a broken state. So ranks whose statuses differ end the
+launch visibly: torchrun stops the others. A row whose collectives time out on purpose goes last.
 When torchrun restarts the launch (--max-restarts, for a row that crashes on purpose), the new
 attempt skips the rows that passed on every rank in an earlier one: each rank leaves a marker file
 beside ROWS.json for every row it passed. A skipped row prints no new line; its earlier one stands.
@@ -35,6 +42,7 @@ beside ROWS.json for every row it passed. A skipped row prints no new line; its 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -42,6 +50,7 @@ import os
 import runpy
 import sys
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -55,6 +64,10 @@ WRAPPED = (
 )  # fmt: skip
 calls: dict[str, int] = {}
 violations: list[str] = []
+# How long a rank waits at the start of a row for its peers to finish the previous one: far above
+# any row here (a quiet rank's 15 s after a bad flag, lab 7's restarts); torchrun's own limit and
+# the launching test's timeout still apply.
+ROW_START_TIMEOUT_S = 300
 
 
 def tensors_in(value) -> list[torch.Tensor]:
@@ -132,8 +145,31 @@ def run_script(script: str, script_args: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-def exit_status(script: str, script_args: list[str]) -> int:
-    """Run one row and return its exit status: 0, sys.exit's status, or 1 for an uncaught exception."""
+def exit_status(script: str, script_args: list[str], out_dir: str | None = None) -> int:
+    """Run one row and return its exit status: 0, sys.exit's status, or 1 for an uncaught exception.
+
+    With out_dir, what the row prints from Python (a traceback too) goes to its own files there."""
+    with row_streams(out_dir):
+        return _exit_status(script, script_args)
+
+
+@contextlib.contextmanager
+def row_streams(out_dir: str | None):
+    """sys.stdout and sys.stderr to out_dir/stdout-r<rank>.txt and stderr-r<rank>.txt (None: unchanged).
+
+    The labs look sys.stdout up at each write (ddp_course.distributed.log), so the redirect catches
+    every line; only C++ writes (gloo's own warnings) still go to the launch's streams."""
+    if out_dir is None:
+        yield
+        return
+    rank = os.environ.get("RANK", "0")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"stdout-r{rank}.txt"), "w") as out, open(os.path.join(out_dir, f"stderr-r{rank}.txt"), "w") as err:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            yield
+
+
+def _exit_status(script: str, script_args: list[str]) -> int:
     try:
         run_script(script, script_args)
     except SystemExit as stop:
@@ -153,6 +189,13 @@ def own_modules(repo_root: str) -> set[str]:
             if (getattr(module, "__file__", None) or "").startswith(repo_root) and not name.startswith("ddp_course")}  # fmt: skip
 
 
+@functools.cache
+def job_store():
+    """torchrun's key-value store for this job (env://: MASTER_ADDR and MASTER_PORT), connected once."""
+    store, _, _ = next(dist.rendezvous("env://"))
+    return store
+
+
 def give_each_row_its_own_store_keys() -> None:
     """Let a process form the job's default group once per row.
 
@@ -161,16 +204,13 @@ def give_each_row_its_own_store_keys() -> None:
     Each row's group gets the store under a prefix of its own (torch's PrefixStore), as if it were a
     new job; rank and world size still come from torchrun's environment."""
     real_init = dist.init_process_group
-    base = {}
     row_number = [0]
 
     @functools.wraps(real_init)
     def init_process_group(*args, **kwargs):
         if kwargs.get("store") is None and kwargs.get("init_method") in (None, "env://"):
-            if "store" not in base:
-                base["store"], _, _ = next(dist.rendezvous("env://"))
             row_number[0] += 1
-            kwargs["store"] = dist.PrefixStore(f"row{row_number[0]}/", base["store"])
+            kwargs["store"] = dist.PrefixStore(f"row{row_number[0]}/", job_store())
             kwargs.setdefault("rank", int(os.environ["RANK"]))
             kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
             kwargs.pop("init_method", None)
@@ -192,23 +232,36 @@ def passed_in_earlier_attempt(markers_dir: str, row: str) -> bool:
     return all(os.path.exists(passed_marker(markers_dir, row, rank)) for rank in range(int(os.environ["WORLD_SIZE"])))
 
 
+def start_together(row_index: int) -> None:
+    """Wait until every rank has reached row row_index (ROW_START_TIMEOUT_S at most).
+
+    The keys name the launch attempt: after a restart (--max-restarts) the ranks start over."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"rows/attempt{attempt}/start{row_index}/"
+    job_store().set(prefix + os.environ.get("RANK", "0"), "ready")
+    ranks = range(int(os.environ.get("WORLD_SIZE", "1")))
+    job_store().wait([f"{prefix}{rank}" for rank in ranks], timedelta(seconds=ROW_START_TIMEOUT_S))
+
+
 def run_rows(rows: list[dict], markers_dir: str) -> int:
-    """Run each row in turn, with its own counts and summary line; stop at the first failing row."""
+    """Run each row in turn, with its own counts and summary line; stop at the first row that does not
+    end with its expected status (returns that status, or 1 where it passed but should have failed)."""
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for row in rows:
+    for index, row in enumerate(rows):
         if passed_in_earlier_attempt(markers_dir, row["name"]):
             continue  # a restarted launch: re-running it would find its own outputs (lab 7's checkpoints)
+        start_together(index)
         saved_env, saved_path, saved_level = dict(os.environ), list(sys.path), dist.get_debug_level()
         modules_before = own_modules(repo_root)
         calls.clear()
         violations.clear()
-        status = exit_status(row["script"], row["args"])
+        status = exit_status(row["script"], row["args"], row.get("out_dir"))
         gc.collect()  # DDP's reference cycles would keep the old group alive (ddp_course.distributed)
         if dist.is_initialized():  # a script that leaves its group would make the next init fail
             dist.destroy_process_group()
         report(row["name"], status)
-        if status != 0:
-            return status
+        if status != row.get("expect_status", 0):
+            return status or 1
         open(passed_marker(markers_dir, row["name"], os.environ.get("RANK", "0")), "w").close()
         # Put back what a script may change for the rest of the process (lab7_hangs sets DETAIL, the
         # faults demos set TORCH_FR_BUFFER_SIZE) and forget its modules: lab 6 and lab 8 both import a
