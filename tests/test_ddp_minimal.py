@@ -4,10 +4,15 @@ The course's central claim, on the script a learner reads first: N ranks that ea
 end on the weights of one process trained on the N*B samples of every rank (its "global batch"),
 here on 2 and 3 ranks (3 ranks pad the 1,438 training images to 1,440: the reference pads the same way,
 since it reads the very indices each rank's DistributedSampler hands out).
+
+The 2- and 3-rank launches start together (the `jobs` fixture): each is mostly start-up, and one
+job's rendezvous and waits overlap the other's CPU, as do the one-process references computed here.
 """
 
+import functools
 import math
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -16,7 +21,7 @@ from torch.utils.data import DistributedSampler
 
 from ddp_course.compare import max_relative_difference
 from ddp_course.data import load_digits
-from ddp_course.launch import REPO_ROOT, run_command, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 from ddp_course.models import DigitsCNN
 
 SCRIPT = REPO_ROOT / "labs" / "ddp_minimal.py"
@@ -30,6 +35,7 @@ EPOCHS, BATCH, LR, SEED = 2, 64, 0.05, 0
 TOLERANCE = 1e-4
 
 
+@functools.cache  # the 1-process control serves both world sizes; callers only read the tensors
 def one_process_on_the_global_batch(world_size: int) -> dict[str, torch.Tensor]:
     """One model, one optimizer; each step's batch is the union of the ranks' batches of that step."""
     torch.manual_seed(SEED)  # as the script: seed, then build the model (load_digits draws nothing)
@@ -58,26 +64,55 @@ def test_the_script_fits_on_one_screen():
     assert len(SCRIPT.read_text().splitlines()) <= 80
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_saved_weights_equal_one_process_on_the_global_batch(tmp_path, world_size):
-    saved = tmp_path / "weights.pt"
-    args = ["--epochs", EPOCHS, "--batch-size", BATCH, "--lr", LR, "--seed", SEED, "--save", saved]
-    result = run_torchrun(SCRIPT, args, nproc=world_size, timeout_s=240)
+WORLD_SIZES = [2, 3]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """{world size: (Future of RunResult, path of its --save file)}, every launch started at once; no relaunch."""
+    with ThreadPoolExecutor(max_workers=len(WORLD_SIZES), thread_name_prefix="ddp_minimal") as pool:
+        futures = {}
+        for world_size in WORLD_SIZES:
+            saved = tmp_path_factory.mktemp(f"ranks{world_size}") / "weights.pt"
+            args = ["--epochs", EPOCHS, "--batch-size", BATCH, "--lr", LR, "--seed", SEED, "--save", saved]
+            futures[world_size] = pool.submit(run_torchrun, SCRIPT, args, nproc=world_size, timeout_s=240), saved
+        yield futures  # leaving the block waits for every job, also when a test failed
+
+
+# The timeout covers waiting for both jobs (run alone, a test's teardown waits for the other job too).
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_saved_weights_equal_one_process_on_the_global_batch(jobs, world_size):
+    future, saved = jobs[world_size]
+    # Computed while the jobs run: this process is otherwise idle waiting for them.
+    reference = one_process_on_the_global_batch(world_size)
+    result = future.result()
     assert result.ok, result.describe()
     accuracy_lines = [line for line in result.stdout.splitlines() if "held-out accuracy" in line]
     assert len(accuracy_lines) == EPOCHS and accuracy_lines[-1].endswith("/359)"), result.stdout  # rank 0 alone speaks, for all 359
     weights = torch.load(saved, weights_only=True)  # the bare model's keys: it loads without DDP
     DigitsCNN().load_state_dict(weights)
-    reference = one_process_on_the_global_batch(world_size)
     assert max_relative_difference(weights, reference) < TOLERANCE
     # The control: the same comparison against one process on a single rank's batch fails by far.
     assert max_relative_difference(weights, one_process_on_the_global_batch(1)) > 100 * TOLERANCE
 
 
-def test_without_torchrun_it_says_how_to_launch_it():
-    result = run_command([sys.executable, str(SCRIPT)], timeout_s=60)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
+def test_without_torchrun_it_says_how_to_launch_it(monkeypatch, capsys):
+    """`python labs/ddp_minimal.py`, in this process: its main() sees no torchrun variables.
+
+    The launches above run the same file under torchrun; this path needs no second process (a
+    `python` launch would pay a torch import for one line). A parser.error exits with status 2 and
+    prints the usage and one error line; any other exception (a traceback for a user mistake) fails here.
+    """
+    for variable in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT)])  # argparse names the program after argv[0], as `python` does
+    ddp_minimal = import_script(SCRIPT)
+    with pytest.raises(SystemExit) as stopped:
+        ddp_minimal.main()
+    assert stopped.value.code == 2
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == (
         "ddp_minimal.py: error: launch it with torchrun: torchrun --standalone --nproc_per_node=2 labs/ddp_minimal.py"
     )

@@ -1,15 +1,24 @@
 """labs/lab3_ddp.py launched as a learner launches it: torchrun, 2 gloo ranks on the CPU.
 
-Launches are shared: each module-scoped fixture below runs its job once, asserts it exited cleanly
-(a failed launch is a setup error, reported with the job's stderr), and
-several tests read the files and output of the same job. Every launch costs seconds of start-up, so
-the short runs share one 2-rank job (tests/scripts/lab3_runs.py: one run of train() per test case),
-and checks that need no second process run here (flag checks, the one-process reference run).
+Launches are shared, and started together. Every launch costs seconds of CPU for start-up (torch
+imports in the torchrun agent and in each rank) while the work of most is well under a second, so
+the module makes four launches, all started at once by the `jobs` fixture (one job's rendezvous and
+waits overlap the others' CPU):
+- the learner's default run, main()'s success path;
+- tests/scripts/lab3_runs.py, one 2-rank job for every short run (one run of train() per test case:
+  equivalence, resume, dropout, refused checkpoints, missing CIFAR-10) and the BatchNorm-buffer check;
+- a bad flag (argparse's one line, exit 2) and --amp on the CPU (a CourseError: one line, exit 1),
+  main()'s two refusal paths through torchrun.
+A fixture that needs a job waits for it and asserts it exited as expected (a failed launch is a setup
+error, reported with the job's output). Checks that need no second process run here (flag checks,
+the one-process reference run, which runs while the jobs do).
 """
 
 import json
 import re
-import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,26 +47,68 @@ def load_weights(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def launch(run_lab3, *args, nproc=2):
-    """Run lab 3 and fail the calling fixture (a setup error, so it can be retried) unless it exited 0."""
-    result = run_lab3(*args, nproc=nproc)
-    assert result.ok, result.describe()
-    return result
-
-
 def import_lab3():
     return import_script(LAB3)
+
+
+# --- the module's launches, started at once -----------------------------------------------------------
+
+# Flags refused under torchrun, one launch each: main()'s two exit paths for a user mistake.
+BAD_FLAGS_UNDER_TORCHRUN = [
+    (["--accumulation-steps", "0"], r"--accumulation-steps: must be a positive integer"),  # argparse, exit 2
+    (["--amp"], r"--amp needs a CUDA GPU \(bf16 or fp16 autocast\)"),  # a CourseError from train(), exit 1
+]
+# An unreachable proxy makes a CIFAR-10 download fail at once, online or not, so no test downloads 170 MB.
+OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "no_proxy": ""}
+
+
+@dataclass
+class Launches:
+    futures: dict  # "default", "runs", or a bad flag's args as a tuple -> Future of RunResult
+    default_directory: Path  # the default run's metrics.json and final.pt
+    runs_directory: Path  # the lab3_runs.py job's plan, files and checkpoint directories
+    before: dict  # refused run name -> snapshot of its checkpoint directory before the job
+
+
+@pytest.fixture(scope="module")
+def jobs(run_lab3, tmp_path_factory):
+    """Start the module's four launches at once; the fixtures below each wait for their own.
+
+    Four jobs on 2 cores take about as much CPU as one after another, but no core idles while a job
+    waits for its rendezvous or its ranks. Leaving the module waits for every job; no relaunch.
+    """
+    default_directory = tmp_path_factory.mktemp("default_run")
+    runs_directory = tmp_path_factory.mktemp("runs")
+    refused_plan, before = refused_run_plan(runs_directory)
+    plan = [*short_run_plan(runs_directory), *refused_plan, {"name": "rank0_buffers", "check": "rank0_buffers"}]
+    pool = ThreadPoolExecutor(max_workers=2 + len(BAD_FLAGS_UNDER_TORCHRUN), thread_name_prefix="lab3")
+    # The longest job first; a loaded machine (every job here shares 2 cores) gets generous timeouts.
+    futures = {"runs": pool.submit(run_plan, runs_directory, plan, env=OFFLINE, timeout_s=400)}
+    # The learner's first command, with --metrics-json and --save: 10 epochs of 23 steps.
+    default_flags = ["--metrics-json", default_directory / "metrics.json", "--save", default_directory / "final.pt"]
+    futures["default"] = pool.submit(run_lab3, *default_flags, timeout_s=240)
+    for args, _ in BAD_FLAGS_UNDER_TORCHRUN:
+        futures[tuple(args)] = pool.submit(run_lab3, *args, timeout_s=120)
+    yield Launches(futures, default_directory, runs_directory, before)
+    pool.shutdown(wait=True)
+
+
+def runs_job(jobs):
+    """Wait for the lab3_runs.py job; it must exit 0: every run ended as "ok" or "CourseError", no other error."""
+    result = jobs.futures["runs"].result()
+    assert result.ok, result.describe()
+    return result
 
 
 # --- the default run: learning, progress lines, metrics, the saved model ---------------------------
 
 
 @pytest.fixture(scope="module")
-def default_run(run_lab3, tmp_path_factory):
+def default_run(jobs):
     """The learner's first command, with --metrics-json and --save: 10 epochs of 23 steps."""
-    directory = tmp_path_factory.mktemp("default_run")
-    result = launch(run_lab3, "--metrics-json", directory / "metrics.json", "--save", directory / "final.pt")
-    return result, directory
+    result = jobs.futures["default"].result()
+    assert result.ok, result.describe()
+    return result, jobs.default_directory
 
 
 @pytest.mark.timeout(300)
@@ -158,16 +209,16 @@ def test_save_moves_gpu_weights_to_the_cpu():
 
 # --- short runs: one torchrun job for all of them ---------------------------------------------------
 
-# tests/scripts/lab3_runs.py runs lab 3's train() once per entry of a plan, in one 2-rank job: ten
-# short runs cost one job's start-up (seconds per launch) instead of ten. Each run is still a real
-# 2-rank run (DDP over gloo); main() and its exit codes are tested by this file's own launches.
+# tests/scripts/lab3_runs.py runs lab 3's train() once per entry of a plan, in one 2-rank job: the
+# sixteen short runs cost one job's start-up (seconds per launch) instead of sixteen. Each run is still
+# a real 2-rank run (DDP over gloo); main() and its exit codes are tested by this file's own launches.
 RUNS_SCRIPT = REPO_ROOT / "tests" / "scripts" / "lab3_runs.py"
 
 
 def run_plan(directory, runs, env=None, timeout_s=300):
-    """Launch lab3_runs.py with runs (a list of {"name", "args", ...}) on 2 ranks; return its RunResult."""
+    """Launch lab3_runs.py with runs (a list of {"name", "args" or "check", ...}) on 2 ranks; return its RunResult."""
     plan = directory / "plan.json"
-    as_text = [{**run, "args": [str(arg) for arg in run["args"]]} for run in runs]
+    as_text = [{**run, "args": [str(arg) for arg in run["args"]]} if "args" in run else run for run in runs]
     plan.write_text(json.dumps(as_text, default=str, indent=1))
     return run_torchrun(RUNS_SCRIPT, [LAB3, plan], nproc=2, timeout_s=timeout_s, env=env)
 
@@ -248,7 +299,7 @@ def short_run_plan(directory):
 
 
 @pytest.fixture(scope="module")
-def short_runs(tmp_path_factory):
+def short_runs(jobs):
     """Ten 6-step (or 3-step) 2-rank runs in one job, and the one-process reference in this process.
 
     1,438 training digits on 2 ranks are 719 per rank per epoch (DistributedSampler needs no padding),
@@ -261,12 +312,11 @@ def short_runs(tmp_path_factory):
     comparison covers the epoch boundary. A mean loss per micro-batch divided by K gives each of the
     47 (or 15) samples of the short micro-batch 2x (or 4x) the weight of the others.
     """
-    directory = tmp_path_factory.mktemp("short_runs")
-    result = run_plan(directory, short_run_plan(directory))
-    assert result.ok, result.describe()
+    directory = jobs.runs_directory
+    # The one-process reference, here while the launched jobs run (this process is otherwise idle).
     run_in_this_process("--batch-size", 384, "--max-steps", STEPS, "--save", directory / "one_process.pt",
                         "--metrics-json", directory / "one_process.json")  # fmt: skip
-    return result, directory
+    return runs_job(jobs), directory
 
 
 @pytest.mark.timeout(600)
@@ -385,36 +435,13 @@ def test_the_dropout_run_differs_from_the_run_without_dropout(short_runs):
 
 # --- BatchNorm buffers before evaluation --------------------------------------------------------------
 
-BUFFER_CHECK = textwrap.dedent(
-    """
-    import importlib.util, sys
-    import torch, torch.distributed as dist
-    from ddp_course.distributed import log, setup_distributed, teardown_distributed
-
-    spec = importlib.util.spec_from_file_location("lab3_ddp", sys.argv[1])
-    lab3 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lab3)
-    ctx = setup_distributed("gloo", timeout_s=30)
-    model = torch.nn.BatchNorm1d(4)
-    # What each rank holds after training: running statistics from its own last micro-batch.
-    model.running_mean.fill_(ctx.rank + 1.0)
-    model.num_batches_tracked.fill_(10 + ctx.rank)
-    lab3.copy_rank0_buffers(model)
-    # log() writes each line in one write: two ranks' print() calls can interleave on the shared pipe.
-    log(f"mean {model.running_mean.tolist()} batches {int(model.num_batches_tracked)}", every_rank=True)
-    del model
-    teardown_distributed()
-    """
-)
-
-
-@pytest.mark.timeout(120)
-def test_every_rank_evaluates_with_rank_0s_batchnorm_statistics(tmp_path):
-    script = tmp_path / "buffer_check.py"
-    script.write_text(BUFFER_CHECK)
-    result = run_torchrun(script, [LAB3], nproc=2, timeout_s=90)
-    assert result.ok, result.describe()
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("[rank "))
+@pytest.mark.timeout(600)
+def test_every_rank_evaluates_with_rank_0s_batchnorm_statistics(jobs):
+    """lab3_runs.py's check "rank0_buffers": ranks hold their own running statistics, then call
+    copy_rank0_buffers (its code is in tests/scripts/lab3_runs.py); each prints what it holds."""
+    result = runs_job(jobs)
+    stdout = run_outcome(result, "rank0_buffers")
+    lines = sorted(line for line in stdout.splitlines() if line.startswith("[rank ") and " mean " in line)
     assert lines == ["[rank 0] mean [1.0, 1.0, 1.0, 1.0] batches 10", "[rank 1] mean [1.0, 1.0, 1.0, 1.0] batches 10"]
 
 
@@ -454,17 +481,13 @@ def test_bad_flags_are_refused_with_one_line(args, expected, refused_flag_line):
     assert re.search(expected, refused_flag_line(import_lab3(), args))
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    ("args", "expected"),
-    [
-        (["--accumulation-steps", "0"], r"--accumulation-steps: must be a positive integer"),  # argparse, exit 2
-        (["--amp"], r"--amp needs a CUDA GPU \(bf16 or fp16 autocast\)"),  # a CourseError from train(), exit 1
-    ],
-)
-def test_bad_flags_fail_with_one_line_under_torchrun(run_lab3, args, expected):
+# Its timeout covers the module's other jobs: run alone, this test's teardown waits for them.
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("args", "expected"), BAD_FLAGS_UNDER_TORCHRUN)
+def test_bad_flags_fail_with_one_line_under_torchrun(jobs, args, expected):
     """The same checks reach the learner through torchrun: one line from the job, not one per rank."""
-    assert_one_clear_error(run_lab3(*args), expected)
+    result = jobs.futures[tuple(args)].result()
+    assert_one_clear_error(result, expected)
 
 
 def write_checkpoint(directory, state, step=10):
@@ -507,15 +530,14 @@ UNUSABLE_CHECKPOINTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def refused_runs(tmp_path_factory):
-    """Missing CIFAR-10 and the unusable checkpoints, each a run of one 2-rank job (tests/scripts/lab3_runs.py).
+def refused_run_plan(directory):
+    """The runs of the lab3_runs.py job that must be refused, and a snapshot of each one's checkpoint directory.
 
-    Every case fails inside train() on every rank and raises a CourseError, which main() turns into
-    one line and exit 1; that path through torchrun is launched for real by the tests above (--amp)
-    and below (a fresh run into a directory with checkpoints).
+    Missing CIFAR-10 (the job runs OFFLINE), the unusable checkpoints, and a fresh run (no --resume)
+    into a directory that holds a valid checkpoint. Every case fails inside train() on every rank and
+    raises a CourseError, which main() turns into one line and exit 1; that path through torchrun is
+    launched for real by --amp (test_bad_flags_fail_with_one_line_under_torchrun).
     """
-    directory = tmp_path_factory.mktemp("refused")
     plan = [{"name": "missing_cifar10", "args": ["--dataset", "cifar10", "--data-dir", directory / "cifar"]}]
     before = {}
     for case in UNUSABLE_CHECKPOINTS:
@@ -523,11 +545,16 @@ def refused_runs(tmp_path_factory):
         write_unusable_checkpoint(checkpoints, case)
         before[case] = snapshot(checkpoints)
         plan.append({"name": case, "args": ["--checkpoint-dir", checkpoints, "--resume", "--checkpoint-every", 1]})
-    # An unreachable proxy makes the download fail at once, online or not, so no test downloads 170 MB.
-    offline = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "no_proxy": ""}
-    result = run_plan(directory, plan, env=offline, timeout_s=180)
-    assert result.ok, result.describe()
-    return result, directory, before
+    fresh = directory / "fresh_run_checkpoints"
+    write_checkpoint(fresh, valid_state())
+    before["fresh_run"] = snapshot(fresh)
+    plan.append({"name": "fresh_run", "args": ["--checkpoint-dir", fresh, "--max-steps", 2]})
+    return plan, before
+
+
+@pytest.fixture(scope="module")
+def refused_runs(jobs):
+    return runs_job(jobs), jobs.runs_directory, jobs.before
 
 
 def assert_every_rank_refused(result, name, expected):
@@ -539,14 +566,14 @@ def assert_every_rank_refused(result, name, expected):
     assert "Traceback" not in result.stderr, result.describe()
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(600)
 def test_missing_cifar10_while_offline_fails_with_advice(refused_runs):
     result, _, _ = refused_runs
     expected = r"CIFAR-10 is not in .*could not be downloaded.*On a machine with internet run"
     assert_every_rank_refused(result, "missing_cifar10", expected)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize(("case", "expected"), UNUSABLE_CHECKPOINTS.items())
 def test_unusable_checkpoint_fails_and_is_left_untouched(refused_runs, case, expected):
     result, directory, before = refused_runs
@@ -554,11 +581,8 @@ def test_unusable_checkpoint_fails_and_is_left_untouched(refused_runs, case, exp
     assert snapshot(directory / case) == before[case]  # nothing overwritten, deleted or added
 
 
-@pytest.mark.timeout(60)
-def test_fresh_run_refuses_a_directory_with_checkpoints(run_lab3, tmp_path):
-    directory = tmp_path / "checkpoints"
-    write_checkpoint(directory, valid_state())
-    before = snapshot(directory)
-    result = run_lab3("--checkpoint-dir", directory, "--max-steps", "2")
-    assert_one_clear_error(result, r"already holds checkpoints: add --resume")
-    assert snapshot(directory) == before
+@pytest.mark.timeout(600)
+def test_fresh_run_refuses_a_directory_with_checkpoints(refused_runs):
+    result, directory, before = refused_runs
+    assert_every_rank_refused(result, "fresh_run", r"already holds checkpoints: add --resume")
+    assert snapshot(directory / "fresh_run_checkpoints") == before["fresh_run"]

@@ -21,6 +21,11 @@ stopped on a user mistake, not only the rank that printed the message. Any other
 bug; its traceback ends the job with a non-zero exit.
 "stale_listing": rank 1 lists a checkpoint directory without its newest file, as a node of a shared
 filesystem with a stale cache may (NFS attribute caching): every rank must resume from rank 0's choice.
+
+An entry with "check" instead of "args" runs one of CHECKS, a check of one of the lab's functions that
+needs a process group of 2 (it would otherwise cost a launch of its own), with the same markers:
+
+    {"name": "rank0_buffers", "check": "rank0_buffers"}
 """
 
 import gc
@@ -29,6 +34,7 @@ import shutil
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 
 from ddp_course.checkpoint import list_checkpoints
@@ -45,8 +51,25 @@ def stale_listing(directory):
     return list_checkpoints(directory)[-2]
 
 
+def check_rank0_buffers(lab, ctx) -> str:
+    """lab.copy_rank0_buffers gives every rank rank 0's BatchNorm statistics; each rank prints what it holds."""
+    model = torch.nn.BatchNorm1d(4)
+    # What each rank holds after training: running statistics from its own last micro-batch.
+    model.running_mean.fill_(ctx.rank + 1.0)
+    model.num_batches_tracked.fill_(10 + ctx.rank)
+    lab.copy_rank0_buffers(model)
+    # log() writes each line in one write: two ranks' print() calls can interleave on the shared pipe.
+    log(f"mean {model.running_mean.tolist()} batches {int(model.num_batches_tracked)}", every_rank=True)
+    return "ok"
+
+
+CHECKS = {"rank0_buffers": check_rank0_buffers}
+
+
 def run_one(lab, run, ctx) -> str:
-    """One run of the plan as main() runs it; returns "ok" or "CourseError"."""
+    """One run of the plan as main() runs it (or one of CHECKS); returns "ok" or "CourseError"."""
+    if "check" in run:
+        return CHECKS[run["check"]](lab, ctx)
     args = lab.parse_args(run["args"])
     if ctx.is_main:
         for source, target in run.get("copy", []):
