@@ -6,7 +6,10 @@ mixed precision leaving them unchanged, no_sync accumulation sending one k-th wi
 gradients, ZeRO-1 splitting Adam's state without changing the weights, one trace per rank whose
 all-reduces match DDP's buckets, lab 5's measurement for each bucket cap, and GradScaler skipping
 an overflow on every rank (on one rank only under no_sync). Bad flags give one line and a non-zero
-exit; the step timer synchronizes CUDA before reading the clock.
+exit, parsed in this process: the script's parser is ddp_course.cli.CourseArgumentParser, whose path
+through torchrun (rank 0 speaks, the others stay quiet) tests/test_lab3_ddp.py launches for real and
+tests/test_helpers.py checks, so a launch of its own here would only repeat it (issue 22). The step
+timer synchronizes CUDA before reading the clock.
 """
 
 import json
@@ -14,7 +17,7 @@ import json
 import pytest
 import torch
 
-from ddp_course.launch import REPO_ROOT, import_script, run_torchrun, start_in_background
+from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 
 JOB = REPO_ROOT / "lectures" / "scripts" / "perf_ddp_job.py"
 TINY = ["--hook-steps", "11", "--profile-steps", "2", "--bucket-caps", "default,25", "--timing-steps", "1",
@@ -22,13 +25,7 @@ TINY = ["--hook-steps", "11", "--profile-steps", "2", "--bucket-caps", "default,
 
 
 @pytest.fixture(scope="module")
-def bad_flag_launch(tmp_path_factory):
-    """The bad-flag launch, started before the job below so that its start-up overlaps the job's; a Future."""
-    return start_in_background(JOB, ["--out-dir", tmp_path_factory.mktemp("bad_flag"), "--parts", "nonsense"], nproc=2, timeout_s=60)
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory, bad_flag_launch):
+def job(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("perf_job")
     result = run_torchrun(JOB, ["--out-dir", out_dir, *TINY], nproc=2, timeout_s=420)
     assert result.ok, result.describe()
@@ -155,14 +152,6 @@ def test_reference_script_reads_the_traces(job):
 def test_bad_flags_give_one_line(refused_flag_line, args, message):
     job_module = import_script(JOB)
     assert message in refused_flag_line(job_module, args)
-
-
-@pytest.mark.timeout(120)
-def test_a_bad_flag_under_torchrun_exits_non_zero_without_traceback(bad_flag_launch):
-    result = bad_flag_launch.result()
-    assert result.returncode not in (0, None)
-    assert "perf_ddp_job.py: error: --parts: unknown nonsense" in result.stderr
-    assert "[rank0]: Traceback" not in result.stderr and 'perf_ddp_job.py", line' not in result.stderr, result.describe()
 
 
 @pytest.mark.timeout(60)
