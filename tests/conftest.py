@@ -1,6 +1,7 @@
 """Shared fixtures: run the labs the way a learner does (torchrun in a subprocess, with a timeout)."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -31,18 +32,25 @@ def sharding_checks(tmp_path_factory):
     """sharding_checks(nproc) -> (RunResult, path of the minddp JSON) of tests/scripts/sharding_checks.py.
 
     One launch per world size serves tests/test_minddp.py and tests/test_minifsdp.py (lab 6's and lab 8's
-    from-scratch checks need the same gloo group), launched by the first test that asks, then reused.
+    from-scratch checks need the same gloo group). The first test that asks starts both world sizes'
+    launches at once and waits for its own: one after the other they took 22 s here, and the 2-rank
+    job's start-up and waits left a core idle (issue 22). Every later test reuses them.
     """
     launched = {}
+    pool = ThreadPoolExecutor(max_workers=len(MINDDP_SUITE_ON), thread_name_prefix="sharding_checks")
+
+    def launch(nproc):
+        path = tmp_path_factory.mktemp(f"sharding_checks_{nproc}") / "minddp.json"
+        args = ["--minddp-suite", MINDDP_SUITE_ON[nproc], "--minddp-json", path, "--timeout-s", "30"]
+        return run_torchrun(SHARDING_CHECKS, args, nproc=nproc, timeout_s=300), path
 
     def run(nproc):
-        if nproc not in launched:
-            path = tmp_path_factory.mktemp(f"sharding_checks_{nproc}") / "minddp.json"
-            args = ["--minddp-suite", MINDDP_SUITE_ON[nproc], "--minddp-json", path, "--timeout-s", "30"]
-            launched[nproc] = run_torchrun(SHARDING_CHECKS, args, nproc=nproc, timeout_s=300), path
-        return launched[nproc]
+        if not launched:
+            launched.update({size: pool.submit(launch, size) for size in MINDDP_SUITE_ON})
+        return launched[nproc].result()
 
-    return run
+    yield run
+    pool.shutdown(wait=True)  # the session ends after both launches, also when a test failed
 
 
 @pytest.fixture(scope="session")
