@@ -2,14 +2,16 @@
 
     torchrun --standalone --nproc_per_node=2 tests/scripts/observe_rows.py ROWS.json
 
-ROWS.json is a list of {"name": ..., "out_dir": ..., "script": ..., "args": [...]}. For tests only
-(tests/test_lab3_convert_check.py, tests/test_lab4_checker.py): most of an observed job is Python,
-torch and torch._dynamo start-up (about 10 CPU-seconds for the agent and 2 ranks), and each
-checker's planted mistakes are 7 short jobs of the same kind. Here each rank starts once and runs
-the rows one after another, each exactly as labs/lab4_observe.py's main() runs its one script: a
-fresh Recorder writing into the row's out_dir, the script run as __main__ with its own argv, then
-the "exit" event and the finished state. What differs from a launch of its own is written into
-out_dir for the test to read:
+ROWS.json is a list of {"name": ..., "out_dir": ..., "script": ..., "args": [...], "env": {...}}. For
+tests only (tests/test_checkers.py: lab 4's broken-DDP checker and lab 3's conversion checker): most
+of an observed job is Python, torch and torch._dynamo start-up (about 10 CPU-seconds for the agent
+and 2 ranks), and the two checkers' planted mistakes are 14 short jobs of the same kind. Here each
+rank starts once and runs the rows one after another, each exactly as labs/lab4_observe.py's main()
+runs its one script: the row's "env" set (a checker's own observer settings, e.g. lab 3's
+LAB4_OBSERVE_STEPS, which the observer reads per Recorder), a fresh Recorder writing into the row's
+out_dir, the script run as __main__ with its own argv, then the "exit" event and the finished state;
+afterwards the environment is restored, so a row's env applies to that row only. What differs from
+a launch of its own is written into out_dir for the test to read:
 
 - stdout-r<rank>.txt, stderr-r<rank>.txt: what the row's script printed from Python (torchrun would
   have collected it);
@@ -45,19 +47,20 @@ OBSERVER = Path(__file__).resolve().parents[2] / "labs" / "lab4_observe.py"
 
 
 # --- the launching side, in the test process -------------------------------------------------------------
-def observe_in_one_launch(lab4, scripts: dict, folder: Path, script_args, env: dict, timeout_s: float) -> dict:
-    """{name: Observation} of each script, observed as lab4.observe would, all in one torchrun launch.
+def observe_in_one_launch(lab4, jobs: dict, folder: Path, timeout_s: float) -> dict:
+    """{name: Observation} of each job, observed as lab4.observe would, all in one torchrun launch, in order.
 
-    lab4 is labs/lab4_check.py as a module; script_args(out_dir) gives a script's flags; env is the
-    checker's own observer settings; timeout_s bounds the whole launch.
+    lab4 is labs/lab4_check.py as a module; jobs is {name: (script, script_args, env)}: script_args(out_dir)
+    gives the script's flags, env the checker's own observer settings for that row only ({} for
+    lab 4's, as lab4.observe's env); timeout_s bounds the whole launch.
     """
-    out_dirs = {name: folder / f"{name}-observed" for name in scripts}
-    rows = [{"name": name, "out_dir": str(out_dirs[name]), "script": str(script), "args": [str(a) for a in script_args(out_dirs[name])]}
-            for name, script in scripts.items()]  # fmt: skip
+    out_dirs = {name: folder / f"{name}-observed" for name in jobs}
+    rows = [{"name": name, "out_dir": str(out_dirs[name]), "script": str(script), "args": [str(a) for a in script_args(out_dirs[name])],
+             "env": dict(env)} for name, (script, script_args, env) in jobs.items()]  # fmt: skip
     rows_file = folder / "rows.json"
     rows_file.write_text(json.dumps(rows, indent=1))
-    # lab4.observe's environment: GPUs hidden, collectives rescued, the digits from a file; plus the checker's own.
-    env = {"CUDA_VISIBLE_DEVICES": "", "LAB4_OBSERVE_RESCUE": "1", "LAB4_OBSERVE_DIGITS": str(lab4.save_digits(folder / "digits.pt")), **env}
+    # lab4.observe's environment for every row: GPUs hidden, collectives rescued, the digits from a file.
+    env = {"CUDA_VISIBLE_DEVICES": "", "LAB4_OBSERVE_RESCUE": "1", "LAB4_OBSERVE_DIGITS": str(lab4.save_digits(folder / "digits.pt"))}
     launch = run_torchrun(Path(__file__).resolve(), [rows_file], nproc=lab4.WORLD_SIZE, timeout_s=timeout_s, env=env)
     return {name: row_observation(lab4, launch, out_dir, timeout_s) for name, out_dir in out_dirs.items()}
 
@@ -100,8 +103,9 @@ def run_row(observer, proxy: CurrentRecorder, row: dict, rank: int, world_size: 
     """lab4_observe.main() for one row, with the script's output in files; returns its exit status."""
     out_dir, script = Path(row["out_dir"]), Path(row["script"]).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    proxy.current = recorder = observer.Recorder(out_dir, rank, world_size)
     saved_argv, saved_path, saved_env = list(sys.argv), list(sys.path), dict(os.environ)
+    os.environ.update(row.get("env", {}))  # before the Recorder, which reads LAB4_OBSERVE_STEPS and _RESCUE
+    proxy.current = recorder = observer.Recorder(out_dir, rank, world_size)
     sys.argv = [str(script), *row["args"]]
     sys.path[0] = str(script.parent)  # as if python had been started on SCRIPT itself
     started, status = time.monotonic(), 1
