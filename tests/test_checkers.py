@@ -187,23 +187,20 @@ BAD_COMMAND_LINES = [
 ]  # fmt: skip
 
 
-def with_bugs(source: str, bugs) -> str:
-    for bug in bugs:
-        old, new = BUGS[bug]
-        assert source.count(old) == 1, f"bug {bug}: the solution must contain its text exactly once: {old!r}"
-        source = source.replace(old, new)
-    return source
-
-
-def solution_with(bugs) -> str:
-    return with_bugs(LAB4_SOLUTION.read_text(), bugs)
-
-
-def with_mistake(source: str, edits) -> str:
+def with_edits(source: str, edits) -> str:
+    """source with each (old text, new text) edit made; each old text must occur exactly once."""
     for old, new in edits:
         assert source.count(old) == 1, f"the solution must contain this text exactly once: {old!r}"
         source = source.replace(old, new)
     return source
+
+
+def with_bugs(source: str, bugs) -> str:
+    return with_edits(source, [BUGS[bug] for bug in bugs])
+
+
+def solution_with(bugs) -> str:
+    return with_bugs(LAB4_SOLUTION.read_text(), bugs)
 
 
 def code_without_docstring(source: str) -> str:
@@ -264,7 +261,7 @@ def observe_rows_of_both_checkers(checker, convert_checker, folder) -> dict:
     for name, (_, edits) in MISTAKES.items():
         script = folder / name / "my_ddp.py"
         script.parent.mkdir()
-        script.write_text(with_mistake(CONVERT_SOLUTION.read_text(), edits))
+        script.write_text(with_edits(CONVERT_SOLUTION.read_text(), edits))
         rows[name] = (script, convert_checker.script_args, convert_checker.OBSERVER_ENV)
     rows["lab4-solution"] = (LAB4_SOLUTION, checker.default_script_args, {})
     return observe_rows.observe_in_one_launch(checker, rows, folder, ROWS_TIMEOUT_S)
