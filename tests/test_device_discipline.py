@@ -199,3 +199,19 @@ def test_recorder_finds_tensors_in_nested_lists_and_keywords():
     assert len(recorder.tensors_in(nested)) == 2
     problems = recorder.device_problems("scatter", (torch.zeros(1),), {"scatter_list": nested}, expected=None)
     assert problems == ["scatter: tensor 2 on meta, the first tensor on cpu"]
+
+
+def test_a_row_forgets_only_the_courses_own_modules_never_a_library_in_a_venv_inside_the_clone(tmp_path):
+    """Issue 29: with the README's `.venv` inside the clone, numpy, scipy and scikit-learn live under the
+    repository root too; forgetting them after a row made the next row's import of numpy fail
+    ("cannot load module more than once per process"). Only the course's folders are its own."""
+    root = str(REPO_ROOT)
+    assert recorder.is_course_file(str(REPO_ROOT / "labs" / "lab3_ddp.py"), root)
+    assert recorder.is_course_file(str(REPO_ROOT / "solutions" / "minddp.py"), root)
+    assert not recorder.is_course_file(str(REPO_ROOT / ".venv" / "lib" / "python3.11" / "site-packages" / "numpy" / "__init__.py"), root)
+    assert not recorder.is_course_file(str(REPO_ROOT / "labs" / "env" / "lib" / "site-packages" / "numpy" / "__init__.py"), root)
+    assert not recorder.is_course_file(str(REPO_ROOT / "ddp_course" / "launch.py"), root)  # shared helpers stay loaded
+    assert not recorder.is_course_file(torch.__file__, root)
+    import numpy  # wherever this interpreter's environment lives, its packages are never the course's
+
+    assert "numpy" not in recorder.own_modules(root) and numpy.__file__

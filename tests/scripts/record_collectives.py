@@ -183,10 +183,28 @@ def _exit_status(script: str, script_args: list[str]) -> int:
     return 0
 
 
+# The folders whose scripts a row runs or imports. Only modules loaded from these are the course's
+# own: a virtual environment may live inside the clone (the README's `python -m venv .venv`), and
+# numpy's or scikit-learn's modules must never be forgotten - numpy refuses to load twice in a process.
+COURSE_FOLDERS = ("labs", "solutions", "lectures", "tests", "benchmarks")
+
+
+def is_course_file(path: str, repo_root: str) -> bool:
+    """True when path is a script of the course's own folders, not an installed library's file."""
+    path = os.path.realpath(path)
+    library_roots = {os.path.realpath(root) for root in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    if any(os.path.commonpath([path, root]) == root for root in library_roots):
+        return False  # the interpreter's own files and every package installed into its environment
+    if {"site-packages", "dist-packages"} & set(path.split(os.sep)):
+        return False  # a package imported from some other environment's folder
+    return any(os.path.commonpath([path, os.path.join(repo_root, folder)]) == os.path.join(repo_root, folder)
+               for folder in COURSE_FOLDERS)  # fmt: skip
+
+
 def own_modules(repo_root: str) -> set[str]:
-    """Names of the loaded modules imported from the repository's scripts (labs, solutions, lectures)."""
+    """Names of the loaded modules imported from the course's scripts (labs, solutions, lectures, ...)."""
     return {name for name, module in list(sys.modules.items())
-            if (getattr(module, "__file__", None) or "").startswith(repo_root) and not name.startswith("ddp_course")}  # fmt: skip
+            if is_course_file(getattr(module, "__file__", None) or os.sep, repo_root)}  # fmt: skip
 
 
 @functools.cache
@@ -246,7 +264,7 @@ def start_together(row_index: int) -> None:
 def run_rows(rows: list[dict], markers_dir: str) -> int:
     """Run each row in turn, with its own counts and summary line; stop at the first row that does not
     end with its expected status (returns that status, or 1 where it passed but should have failed)."""
-    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
     for index, row in enumerate(rows):
         if passed_in_earlier_attempt(markers_dir, row["name"]):
             continue  # a restarted launch: re-running it would find its own outputs (lab 7's checkpoints)
