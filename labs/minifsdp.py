@@ -39,7 +39,10 @@ Units: what travels in one message. FSDP(module, units=[block, ...]) makes each 
 units=None every module that owns a weight matrix is its own unit. A unit's sharded parameters are
 communicated together: its slices are concatenated into one all-gather and its gradients into one
 reduce-scatter. On gloo every message pays a fixed latency (lecture 2's alpha), so one message per
-transformer block instead of one per matrix is what makes this FSDP as fast as torch's (lab 8, section 6).
+transformer block instead of one per matrix is what makes this FSDP as fast as torch's on CPU (lab 8,
+section 6) - where torch's hides nothing either: fully_shard issues its collectives with async_op=False
+and CPU streams are no-ops, so they block as ours do. On GPUs fully_shard overlaps them with compute
+(separate CUDA streams, the next unit's all-gather issued early); this FSDP would lose there.
 
 How the full weights appear and vanish, per unit:
 - a forward pre-hook gathers the unit's weights into one padded "full" tensor per parameter (a leaf that
@@ -51,11 +54,17 @@ How the full weights appear and vanish, per unit:
   after every use, so a tied weight counts once), the unit's gradients are reduce-scattered in one message
   into the slices' .grad and freed. One-dimensional parameters are averaged in one all-reduce at the end.
 
-compute_dtype (e.g. torch.float16) is the dtype of the full weights: the slices are cast before the
-all-gather (half the bytes on the wire) and forward and backward run on them. Master weights (the
-slices), their gradients, the replicated parameters and the optimizer step stay float32. Replicated
-parameters are NOT cast: a layer that adds a float32 bias to a float16 matrix product (nn.Linear with
-bias) then fails with a dtype error - use bias-free linears with compute_dtype, or keep it None.
+compute_dtype (torch.bfloat16, or float16) is the dtype of the full weights: the slices are cast before
+the all-gather (half the bytes on the wire) and forward and backward run on them. Master weights (the
+slices), their gradients, the replicated parameters and the optimizer step stay float32. What it does
+NOT do, unlike fully_shard's MixedPrecisionPolicy: cast the inputs (cast_forward_inputs) - a model whose
+first layer is a Linear gets float32 inputs against float16 weights, so cast them yourself or start with
+an embedding; cast the replicated parameters - a layer that adds a float32 bias to a float16 matrix
+product (nn.Linear with bias) fails with a dtype error, so use bias-free linears; scale the loss - with
+float16, small gradients underflow without a gradient scaler, so prefer bfloat16 (float16's exponent
+range is the reason lecture 5 pairs it with GradScaler). Tested on CPU only, with float16 matrices and
+float32 LayerNorms (tests/scripts/minifsdp_check.py); CUDA's support for layer_norm on mixed dtypes has
+varied across releases: the compute_dtype path is NOT YET RUN on a GPU.
 
 Limits, on purpose: no prefetching and no overlap (every collective blocks); every rank must run the
 same graph (same units in the same order: they meet at every gather); a module must use a weight only
@@ -77,8 +86,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# torch 2.14 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
-# reduce_scatter_single (the old names still work, with a FutureWarning); same arguments, same collective.
+# torch 2.14 names them all_gather_single / reduce_scatter_single; all_gather_into_tensor and
+# reduce_scatter_tensor still work there with a FutureWarning (torch/distributed/distributed_c10d.py of
+# 2.14.1: all_gather_into_tensor is @deprecated, line 5176), and are the only names before 2.14.
+# Same arguments, same collective; fully_shard calls the new names in 2.14.1 (_fsdp_collectives.py).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

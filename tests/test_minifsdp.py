@@ -32,6 +32,7 @@ CASES = [
     "gradients_local_float32_and_replicated_equal",
     "tied_weight_gathered_once",
     "full_weights_only_around_use",
+    "block_units_gather_only_around_use",
     "float16_matches_float16_reference",
     "negative_sum_not_average",
     "negative_no_regather",
