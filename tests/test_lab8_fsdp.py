@@ -1,33 +1,27 @@
-"""labs/lab8_fsdp.py: the check, the bytes kept and sent, the JSON records, the exercise's TODO line, bad flags.
+"""labs/lab8_fsdp.py: the check, the bytes kept and sent, the verdicts, the JSON records, the exercise's TODO line, bad flags.
 
 One 2-rank launch with every implementation (few steps, one timing repeat) is shared by most tests
-(a module-scoped fixture). A second, small 2-rank launch runs the lab on a broken FSDP that sums the
-ranks' gradients instead of averaging them: the check must FAIL; it starts first, beside the shared one. The untouched exercise and the flag
-checks run in this process. The 4-rank figures (model state <= 0.30x DDP's) and the step-time target
+(a module-scoped fixture). A second 2-rank launch, started first beside it, runs the lab's own judge()
+on three wrong FSDPs in one process group (tests/scripts/lab8_mutants.py): the untouched exercise (its
+first TODO, in one line), one that sums the ranks' gradients instead of averaging them, and one whose
+forward never frees the full weights (right weights, so only the around-use check and the bytes can
+catch it); each must exit 1 with a FAIL line naming its concept. One process is refused in this
+process, as are bad flags. The 4-rank figures (model state <= 0.30x DDP's) and the step-time target
 are the benchmark's (benchmarks/sharded_dp.py): a 4-rank launch costs more than this file may.
 """
 
 import json
 
+import nbformat
 import pytest
 
 from ddp_course.launch import REPO_ROOT, import_script, run_torchrun, start_in_background
 
 LAB8 = REPO_ROOT / "labs" / "lab8_fsdp.py"
+SHEET = REPO_ROOT / "labs" / "lab8_fsdp.ipynb"
+MUTANTS = REPO_ROOT / "tests" / "scripts" / "lab8_mutants.py"
 IMPLS = ["ddp", "zero1", "fsdp", "fully_shard"]
 SMALL = ["--check-steps", "2", "--warmup-steps", "1", "--steps", "1", "--repeats", "1"]
-# A broken FSDP: the reduce-scatter SUMS the ranks' gradient slices (it forgets to divide by world_size).
-BROKEN = '''
-import sys
-from ddp_course.launch import import_script
-lab8 = import_script(sys.argv[1], "lab8_fsdp")
-minifsdp = lab8.load_minifsdp("solutions")
-real = minifsdp.reduce_scatter_single
-minifsdp.reduce_scatter_single = lambda out, full, *a, **k: real(out, full * minifsdp.dist.get_world_size(), *a, **k)
-lab8.load_minifsdp = lambda module: minifsdp
-sys.argv = [sys.argv[1], *sys.argv[2:]]
-sys.exit(lab8.main(lab8.parse_args()))
-'''
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +30,24 @@ def lab8():
 
 
 @pytest.fixture(scope="module")
-def broken_launch(tmp_path_factory):
-    """The lab on BROKEN, started before the shared launch so that the two start up side by side; a Future."""
-    script = tmp_path_factory.mktemp("broken") / "broken_fsdp.py"
-    script.write_text(BROKEN)
-    args = [LAB8, "--impl", "fsdp", "--check-steps", "1", "--warmup-steps", "1", "--repeats", "0"]
-    return start_in_background(script, args, nproc=2, timeout_s=240, cwd=REPO_ROOT)
+def mutants_launch(tmp_path_factory):
+    """tests/scripts/lab8_mutants.py's rows, started before the shared launch so that the two start up side
+    by side; a Future of (RunResult, rows path)."""
+    path = tmp_path_factory.mktemp("mutants") / "rows.json"
+    return start_in_background(MUTANTS, ["--json", path], nproc=2, timeout_s=240, cwd=REPO_ROOT), path
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory, broken_launch):
+def mutants(mutants_launch):
+    """{row: {"status", "stdout", "stderr"}}: what the lab printed and returned for each wrong FSDP."""
+    future, path = mutants_launch
+    result = future.result()
+    assert result.ok, result.describe()
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, mutants_launch):
     path = tmp_path_factory.mktemp("lab8") / "records.json"
     result = run_torchrun(LAB8, ["--module", "solutions", "--impl", "all", "--json", path, *SMALL], nproc=2, timeout_s=300)
     assert result.ok, result.describe()
@@ -62,12 +64,37 @@ def test_every_implementation_matches_one_process(job):
 
 
 @pytest.mark.timeout(360)
-def test_a_broken_fsdp_that_sums_fails_the_check(broken_launch):
-    """The negative control: the same check catches an FSDP that forgets to average."""
-    result = broken_launch.result()
-    assert result.returncode == 1, result.describe()
-    assert "fsdp        max|w - one process|" in result.stdout and "FAIL" in result.stdout
-    assert "error: the check FAILED" in result.stderr
+def test_an_fsdp_that_sums_fails_on_its_weights(mutants):
+    """The negative control: the same check catches an FSDP that forgets to average, and says so."""
+    row = mutants["sums"]
+    assert row["status"] == 1, row
+    assert "fsdp        max|w - one process|" in row["stdout"] and "verdict fsdp        FAIL" in row["stdout"]
+    fails = [line for line in row["stdout"].splitlines() if line.startswith("  FAIL: ")]
+    assert len(fails) == 1 and "not the average over ranks" in fails[0], fails  # one mistake, one concept
+    assert row["stderr"].strip() == "lab8_fsdp.py: error: the check FAILED: see the FAIL lines above"
+
+
+@pytest.mark.timeout(360)
+def test_an_fsdp_that_never_frees_after_forward_fails(mutants):
+    """Review finding 3: weights right (backward finds them gathered), but full weights held from forward to
+    backward. Only the around-use check and the bytes per step see it; lab 8's block units. (The lab before
+    this check passed it with status 0.)"""
+    row = mutants["never_frees"]
+    assert row["status"] == 1, row
+    assert "  fsdp        max|w - one process|" in row["stdout"] and "e-07   PASS" in row["stdout"]  # the weights are right
+    fails = [line for line in row["stdout"].splitlines() if line.startswith("  FAIL: ")]
+    assert any("still gathered after forward" in line and "(part 2)" in line for line in fails), fails
+    assert any("gathered at once" in line and "only around their use" in line for line in fails), fails
+    assert any("0.669x the formula's bytes" in line for line in fails), fails  # backward gathers nothing
+    assert row["stderr"].strip() == "lab8_fsdp.py: error: the check FAILED: see the FAIL lines above"
+
+
+@pytest.mark.timeout(360)
+def test_the_untouched_exercise_refuses_with_its_first_todo(mutants):
+    row = mutants["untouched"]
+    errors = row["stderr"].strip().splitlines()
+    assert row["status"] == 1 and len(errors) == 1, row
+    assert errors[0].startswith("lab8_fsdp.py: error: labs/minifsdp.py is not finished: TODO(lab 8, part 1): "), errors
 
 
 @pytest.mark.timeout(360)
@@ -85,6 +112,25 @@ def test_model_state_per_rank_follows_the_stages(job):
         state = records[impl]["model_state_bytes"]
         assert 0.5 <= state["parameters"] / ddp["parameters"] < 0.52, (impl, state)
         assert 0.5 <= records[impl]["state_vs_ddp"] <= 0.55, (impl, records[impl]["state_vs_ddp"])
+
+
+@pytest.mark.timeout(360)
+def test_every_implementation_passes_and_fsdp_gathers_only_around_use(job):
+    """The verdict (weights, bytes, and for our FSDP the around-use check) PASSes for each; during a step our
+    FSDP holds its slices plus at most the root's and one block's full weights (exactly that bound here),
+    none after forward; DDP and ZeRO-1 hold the same weights at the peak as between steps."""
+    result, records = job
+    for impl, record in records.items():
+        assert record["passed"] and record["failures"] == [] and f"verdict {impl:<11} PASS" in result.stdout, record
+    fsdp = records["fsdp"]
+    assert fsdp["gathered_after_forward_bytes"] == 0 and 0 < fsdp["gathered_peak_bytes"] <= fsdp["gathered_bound_bytes"]
+    assert fsdp["gathered_bound_bytes"] == 4 * 128 * (98 + 64 + 3 * 128 + 128 + 512 + 512)  # root (padded), one block
+    assert fsdp["weights_peak_bytes"] == fsdp["model_state_bytes"]["parameters"] + fsdp["gathered_peak_bytes"]
+    assert records["fully_shard"]["gathered_after_forward_bytes"] == 0 and records["fully_shard"]["gathered_peak_bytes"] > 0
+    for impl in ("ddp", "zero1"):
+        assert records[impl]["weights_peak_bytes"] == records[impl]["model_state_bytes"]["parameters"]
+        assert records[impl]["gathered_peak_bytes"] == 0
+    assert all(record["cuda_peak_allocated_bytes"] is None for record in records.values())  # CPU: no CUDA figure
 
 
 @pytest.mark.timeout(360)
@@ -124,11 +170,30 @@ def test_records_and_timing_table(job):
     assert "step time (AdamW): median of 1 repeats" in result.stdout
 
 
-def test_the_untouched_exercise_refuses_with_its_first_todo(lab8, capsys):
-    """One process, in this one (a group of one): labs/minifsdp.py raises its part-1 TODO at FSDP(...)."""
-    assert lab8.main(lab8.parse_args(["--impl", "fsdp", "--check-steps", "1", "--repeats", "0"])) == 1
-    errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 1 and "labs/minifsdp.py is not finished: TODO(lab 8, part 1)" in errors[0], errors
+def test_one_process_is_refused_in_one_line(lab8, capsys):
+    """Review finding 1: one rank shards nothing and sends 0 bytes (every ratio would divide by 0); the lab
+    refuses in one line with status 1 (it used to print a table of meaningless ratios and exit 0).
+    Plain python in this process: a group of one, as on a machine with one GPU."""
+    assert lab8.main(lab8.parse_args(["--module", "solutions", "--impl", "fsdp", "--repeats", "0"])) == 1
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.count("\n") == 1, printed
+    assert ": error: lab 8 needs 2 or more ranks" in printed.err and "this job has 1" in printed.err  # "pytest: error" here
+
+
+def test_the_sheet_refuses_one_gpu_in_one_line(monkeypatch):
+    """Review finding 1, the GPU track: with one GPU the sheet stops in its first code cell, in one line,
+    before starting a job (it used to start one and divide by zero later). Run in this process, on CPU,
+    with torch told that there is one GPU."""
+    import torch
+
+    import ddp_course.launch
+
+    source = next(cell.source for cell in nbformat.read(SHEET, as_version=4).cells if "USE_GPUS = False" in cell.source)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(ddp_course.launch, "start_in_background", lambda *args, **kwargs: pytest.fail("the sheet started a job on one GPU"))
+    with pytest.raises(SystemExit) as stopped:
+        exec(compile(source.replace("USE_GPUS = False", "USE_GPUS = True", 1), "<lab 8 sheet>", "exec"), {})
+    assert str(stopped.value).startswith("lab 8 needs 2 or more ranks; this machine has 1 GPU(s)") and "\n" not in str(stopped.value)
 
 
 def test_bad_flags_are_refused_in_one_line(lab8, refused_flag_line, tmp_path):
