@@ -26,6 +26,7 @@ and for each one
      the median over repeats.
 
 From the repository root:
+    your FSDP, part by part:     torchrun --standalone --nproc_per_node=2 labs/lab8_fsdp.py --part 1   (then 2, then 3)
     your FSDP, 2 CPU processes:  torchrun --standalone --nproc_per_node=2 labs/lab8_fsdp.py --impl fsdp
     everything, ours:            torchrun --standalone --nproc_per_node=2 labs/lab8_fsdp.py --module solutions --impl all
     memory at 4 ranks:           torchrun --standalone --nproc_per_node=4 labs/lab8_fsdp.py --module solutions --repeats 1
@@ -43,6 +44,7 @@ full weights more during a step, communicates 1.5x DDP's bytes, and every measur
 a few per cent of the formula (solutions/lab8_reference/).
 """
 
+import argparse
 import functools
 import statistics
 import sys
@@ -78,6 +80,8 @@ def parse_args(argv=None):
                         help="implementation(s); repeat the flag, or 'all' (default)")
     parser.add_argument("--module", choices=("labs", "solutions"), default="labs",
                         help="the FSDP of --impl fsdp: labs (your labs/minifsdp.py) or solutions (the finished one)")
+    parser.add_argument("--part", type=int, choices=(1, 2, 3),
+                        help="check --module's minifsdp.py, parts 1 to PART only (3: the whole check of --impl fsdp), and stop")
     parser.add_argument("--fsdp-units", choices=("blocks", "matrices"), default="blocks",
                         help="what --impl fsdp sends in one message: each block's weights (as fully_shard) or each matrix")
     parser.add_argument("--batch-size", type=positive_int, default=4, help=f"windows of {lab6.CONTEXT} characters per rank")
@@ -352,12 +356,57 @@ def report(records: list[dict], args) -> None:
         log(format_table(table, ["impl", "step_time_ms", "vs_fully_shard"]))
 
 
+def check_parts(args, ctx) -> bool:
+    """--part K: the from-scratch FSDP's parts 1 to K, on this lab's model and units, one line per check."""
+    minifsdp, passed = load_minifsdp(args.module), []
+
+    def verdict(part: int, name: str, ok: bool, detail: str) -> None:
+        ok = bool(lab6.job_max(0.0 if ok else 1.0, ctx) == 0)  # a check passes when it passes on every rank
+        passed.append(ok)
+        log(f"part {part}  {'PASS' if ok else 'FAIL'}  {name}: {detail}")
+
+    full = torch.arange(13 * 2, dtype=torch.float32).view(13, 2)
+    slices = [minifsdp.shard_rows(full, rank, 4) for rank in range(4)]
+    verdict(1, "shard_rows", all(s.shape == (4, 2) and s.dtype == torch.float32 for s in slices)
+            and torch.equal(torch.cat(slices)[:13], full) and not torch.cat(slices)[13:].any(),
+            "13 rows over 4 ranks: slices of 4 rows, in rank order, the 3 rows past the end zero")  # fmt: skip
+    model = lab6.new_model(args, ctx)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    wrapped = minifsdp.FSDP(model, units=list(model.blocks))
+    after = wrapped.gather_full_params()
+    verdict(1, "gather_full_params", after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before),
+            "every weight whole again, equal to the model's before sharding")
+    if args.part >= 2:  # forward only (no graph: nothing of part 3 runs), against the unsharded model
+        tokens, _ = text_splits(encode_text(load_stdlib_text()))
+        inputs = lab6.my_rows(lab6.global_batch(tokens, torch.Generator().manual_seed(args.seed), args, ctx)[0], ctx)
+        watch = StepWatch({"gathered": lambda: [handle.full for handle in wrapped.sharded.values()]})
+        with torch.no_grad(), watch.during(model, wrapped):
+            logits, expected = wrapped(inputs), lab6.new_model(args, ctx)(inputs)
+        tolerance = lab6.EPS_PER_STEP * torch.finfo(torch.float32).eps * float(expected.abs().max())
+        difference = float((logits - expected).abs().max())
+        verdict(2, "forward", difference <= tolerance, f"logits equal the unsharded model's: max difference {difference:.1e} <= {tolerance:.1e}")
+        bound, slices_shown = gathered_bound(lab6.new_model(args, ctx), args, ctx.world_size), all(
+            getattr(m, name) is p for m in model.modules() for name, p in m.named_parameters(recurse=False))
+        verdict(2, "full weights only around their use", watch.at("after forward")["gathered"] == 0 and watch.peak() <= bound and slices_shown,
+                f"after forward {watch.at('after forward')['gathered']:,} B gathered, modules show their slices again: {slices_shown}; "
+                f"at most {watch.peak():,} B at once (root unit + one block: {bound:,} B)")  # fmt: skip
+    del wrapped, model
+    if args.part >= 3:
+        records, ok = run(argparse.Namespace(**{**vars(args), "impls": ["fsdp"], "repeats": 0}), ctx)
+        verdict(3, "the lab's whole check of --impl fsdp", ok, "weights equal one process's, bytes and gathering as the lines above say")
+    return all(passed)
+
+
 def judge(args, ctx) -> int:
     """Run everything in the job's process group; print the verdicts; return the exit status (0: every PASS)."""
     try:
         if ctx.world_size < 2:
             raise CourseError(f"lab 8 needs 2 or more ranks (one rank shards nothing and sends nothing): torchrun "
                               f"--standalone --nproc_per_node=2 labs/lab8_fsdp.py, or 2+ GPUs; this job has {ctx.world_size}")
+        if args.part:
+            if not check_parts(args, ctx):
+                raise CourseError(f"--part {args.part} FAILED: see the FAIL lines above")
+            return 0
         records, passed = run(args, ctx)  # plain numbers: every wrapper is out of reach now
         if args.json and ctx.is_main:
             atomic_write_json(records, args.json)

@@ -170,6 +170,41 @@ def test_records_and_timing_table(job):
     assert "step time (AdamW): median of 1 repeats" in result.stdout
 
 
+def part_lines(row) -> list[str]:
+    return [line for line in row["stdout"].splitlines() if line.startswith("part ")]
+
+
+def todo_line(row) -> str:
+    errors = row["stderr"].strip().splitlines()
+    assert row["status"] == 1 and len(errors) == 1, row
+    return errors[0]
+
+
+@pytest.mark.timeout(360)
+def test_the_per_part_check_follows_a_learner_through_the_parts(mutants):
+    """--part K checks parts 1..K on the exercise as a learner has it: untouched, it names part 1's TODO; with
+    part 1 solved, part 1 PASSes and part 2's TODO stops it; with parts 1 and 2 solved, --part 2 PASSes
+    without running part 3 (forward under no_grad prepares no backward) and --part 3 stops at part 3's TODO."""
+    assert "is not finished: TODO(lab 8, part 1): " in todo_line(mutants["part1_untouched"])
+    row = mutants["part2_solved_1"]
+    assert [line.split(":")[0] for line in part_lines(row)] == ["part 1  PASS  shard_rows", "part 1  PASS  gather_full_params"]
+    assert "is not finished: TODO(lab 8, part 2): " in todo_line(row)
+    row = mutants["part2_solved_12"]
+    assert row["status"] == 0 and row["stderr"] == "", row
+    assert [line.split(":")[0] for line in part_lines(row)] == ["part 1  PASS  shard_rows", "part 1  PASS  gather_full_params",
+                                                                "part 2  PASS  forward", "part 2  PASS  full weights only around their use"]  # fmt: skip
+    row = mutants["part3_solved_12"]
+    assert len(part_lines(row)) == 4 and all("  PASS  " in line for line in part_lines(row))
+    assert "is not finished: TODO(lab 8, part 3): " in todo_line(row)
+
+
+@pytest.mark.timeout(360)
+def test_the_part_2_check_fails_a_forward_that_never_frees(mutants):
+    row = mutants["part2_never_frees"]
+    assert "part 2  FAIL  full weights only around their use: after forward 3,228,672 B gathered" in row["stdout"], row
+    assert todo_line(row) == "lab8_fsdp.py: error: --part 2 FAILED: see the FAIL lines above"
+
+
 def test_one_process_is_refused_in_one_line(lab8, capsys):
     """Review finding 1: one rank shards nothing and sends 0 bytes (every ratio would divide by 0); the lab
     refuses in one line with status 1 (it used to print a table of meaningless ratios and exit 0).

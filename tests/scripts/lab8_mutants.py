@@ -3,13 +3,19 @@
     torchrun --standalone --nproc_per_node=2 tests/scripts/lab8_mutants.py --json rows.json [--rows a,b]
 
 Each row runs the lab's own judge(args, ctx) - what main() runs between setting up and tearing down the
-process group - on one FSDP module, and records its exit status and what rank 0 printed:
-  untouched    labs/minifsdp.py as committed: the first TODO, in one line, status 1
-  sums         the solution, but the reduce-scatter SUMS the ranks' gradient slices (forgets to average):
-               the weights differ from one process's
-  never_frees  the solution, but each unit's forward hook forgets to free its full weights: the weights
-               are right (backward finds them still gathered), so only the around-use check and the
-               bytes per step (backward gathers nothing: 2/3 of the formula) can catch it
+process group - on one FSDP module, and records its exit status and what rank 0 printed. --impl fsdp:
+  untouched          labs/minifsdp.py as committed: the first TODO, in one line, status 1
+  sums               the solution, but the reduce-scatter SUMS the ranks' gradient slices (forgets to
+                     average): the weights differ from one process's
+  never_frees        the solution, but each unit's forward hook forgets to free its full weights: the
+                     weights are right (backward finds them still gathered), so only the around-use check
+                     and the bytes per step (backward gathers nothing: 2/3 of the formula) can catch it
+--part K, on the exercise with parts 1 to J solved (the rest TODOs, as a learner has it):
+  part1_untouched    --part 1, nothing solved: the part 1 TODO
+  part2_solved_1     --part 2, part 1 solved: part 1 PASSes, then the part 2 TODO
+  part2_solved_12    --part 2, parts 1 and 2 solved: PASS, status 0 (part 3's TODOs never run)
+  part3_solved_12    --part 3, parts 1 and 2 solved: parts 1 and 2 PASS, then a part 3 TODO
+  part2_never_frees  --part 2 on the never-freeing solution: part 2's around-use check FAILs
 One job instead of one per row: each torchrun start costs every rank seconds of imports. Rank 0 writes
 {row: {"status", "stdout", "stderr"}} to --json. Exit status 0 when every row ran (whatever its verdict).
 """
@@ -21,14 +27,16 @@ import contextlib
 import io
 import json
 import sys
+import types
 from pathlib import Path
 
 from ddp_course.distributed import setup_distributed, teardown_distributed
+from ddp_course.exercises import exercise_header, make_exercise
 from ddp_course.launch import REPO_ROOT, import_script
 
 LAB8 = REPO_ROOT / "labs" / "lab8_fsdp.py"
 lab8 = import_script(LAB8, "lab8_fsdp")
-SMALL = ["--impl", "fsdp", "--check-steps", "1", "--warmup-steps", "1", "--repeats", "0"]
+SOLUTION = REPO_ROOT / "solutions" / "minifsdp.py"
 
 
 def summing(module):
@@ -60,22 +68,48 @@ def never_freeing(module):
     return module
 
 
-ROWS = {  # row -> (--module, how to change the loaded minifsdp)
-    "untouched": ("labs", None),
-    "sums": ("solutions", summing),
-    "never_frees": ("solutions", never_freeing),
+def solved_up_to(last_part: int):
+    """The exercise as generated from the solution, with parts 1 to last_part solved (a fresh module)."""
+    def build(name):
+        text = make_exercise(SOLUTION.read_text(), exercise_header("solutions/minifsdp.py", "labs/minifsdp.py"),
+                             parts=range(last_part + 1, 4))  # fmt: skip
+        module = types.ModuleType(name)
+        sys.modules[name] = module
+        exec(compile(text, f"<{name}>", "exec"), module.__dict__)
+        return module
+
+    return build
+
+
+def from_file(folder: str, mutate=None):
+    """labs/ or solutions/ minifsdp.py, freshly imported, changed by mutate if given."""
+    def build(name):
+        module = import_script(REPO_ROOT / folder / "minifsdp.py", name)
+        return mutate(module) if mutate else module
+
+    return build
+
+
+FSDP_CHECK = ["--impl", "fsdp", "--check-steps", "1", "--warmup-steps", "1", "--repeats", "0"]
+ROWS = {  # row -> (--module the lab is told, how to build the minifsdp it gets, the lab's other flags)
+    "untouched": ("labs", from_file("labs"), FSDP_CHECK),
+    "sums": ("solutions", from_file("solutions", summing), FSDP_CHECK),
+    "never_frees": ("solutions", from_file("solutions", never_freeing), FSDP_CHECK),
+    "part1_untouched": ("labs", from_file("labs"), ["--part", "1"]),
+    "part2_solved_1": ("labs", solved_up_to(1), ["--part", "2"]),
+    "part2_solved_12": ("labs", solved_up_to(2), ["--part", "2"]),
+    "part3_solved_12": ("labs", solved_up_to(2), ["--part", "3", "--check-steps", "1"]),
+    "part2_never_frees": ("solutions", from_file("solutions", never_freeing), ["--part", "2"]),
 }
 
 
 def run_row(name: str, ctx) -> dict:
-    module_name, mutate = ROWS[name]
-    minifsdp = import_script(REPO_ROOT / module_name / "minifsdp.py", f"{name}_minifsdp")  # a fresh copy per row
-    if mutate is not None:
-        mutate(minifsdp)
+    module_name, build, flags = ROWS[name]
+    minifsdp = build(f"{name}_minifsdp")  # a fresh copy per row
     lab8.load_minifsdp = lambda module: minifsdp
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = lab8.judge(lab8.parse_args(["--module", module_name, *SMALL]), ctx)
+        status = lab8.judge(lab8.parse_args(["--module", module_name, *flags]), ctx)
     return {"status": status, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
