@@ -80,7 +80,7 @@ def test_memory_breakdown_terms():
 
 
 def test_memory_breakdown_agrees_with_exercise_2s_worked_example():
-    """80 GB, 1 B parameters, Adam, DDP: 60 GB left for activations (lecture 5, exercise 2)."""
+    """80 GB, 1 B parameters, Adam, DDP: 60 GB left for activations (lecture 5b, exercise 1)."""
     fixed = sum(calc.memory_breakdown(1e9, 0, 0.1 * GB).values())
     assert fixed == 20 * GB
 

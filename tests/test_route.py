@@ -17,7 +17,7 @@ README = (REPO_ROOT / "README.md").read_text()
 
 def route() -> list[tuple[str, str]]:
     """[(step name, notebook path)] in the order of the README's syllabus table."""
-    rows = re.findall(r"^\| (\d+) \| ((?:lecture|lab) \d+) \|(.*)$", README, flags=re.MULTILINE)
+    rows = re.findall(r"^\| (\d+) \| ((?:lecture|lab) \d+\w?) \|(.*)$", README, flags=re.MULTILINE)
     assert [int(number) for number, _, _ in rows] == list(range(1, len(rows) + 1)), "the table's steps are numbered 1..n"
     return [(name, re.search(r"\(((?:lectures|labs)/[^)]+\.ipynb)\)", rest).group(1)) for _, name, rest in rows]
 
