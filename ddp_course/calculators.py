@@ -1,4 +1,4 @@
-"""Lecture 5's cost models and the two calculators built on them.
+"""Lectures 5a and 5b's cost models and the two calculators built on them.
 
 The formulas are the lecture's, and the lecture checks each against a measurement: the all-reduce
 and step model against lab 5's reference steps (section 3), the memory terms against measured peaks
