@@ -127,6 +127,34 @@ def start_in_background(script: str | Path, args=(), nproc: int = 2, timeout_s: 
     return future
 
 
+def start_jobs_in_turn(jobs, nproc: int = 2, timeout_s: float = 180, **options) -> "list[Future[RunResult]]":
+    """Start torchrun jobs [(script, args), ...] in the background, one after another; one future each.
+
+    On a 2-core laptop two 2-rank jobs at once only fight over the cores, so a sheet that needs
+    several queues them: the first starts now, each next one when the one before it ends.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrun")
+    futures = [pool.submit(run_torchrun, script, args, nproc=nproc, timeout_s=timeout_s, **options) for script, args in jobs]
+    pool.shutdown(wait=False)  # the thread ends with the last job
+    return futures
+
+
+def start_command_in_background(command: list, timeout_s: float = 180, **options) -> "Future[RunResult]":
+    """Start run_command(command, ...) in a background thread; `.result()` waits for it.
+
+    For a driver that launches torchrun itself (lab 5's sweep: `python labs/lab5_scaling.py --sweep ...`);
+    a torchrun script goes through start_in_background instead.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="job")
+    future = pool.submit(run_command, [str(part) for part in command], timeout_s=timeout_s, **options)
+    pool.shutdown(wait=False)  # the thread ends with the job; nothing else will be submitted
+    return future
+
+
 def run_command(
     command: list[str], timeout_s: float = 120, threads_per_rank: int | None = 1, env=None, cwd=None, use_gpus: bool = False
 ) -> RunResult:
@@ -256,3 +284,45 @@ def import_script(path: str | Path, name: str | None = None):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+class SheetJobs:
+    """The torchrun jobs of a lab sheet: one temporary folder for their files, a few running at once.
+
+    A sheet starts the jobs it needs in its first code cell and reads each one where it teaches from
+    it, so the reader never waits for process start-up (several seconds of torch imports per rank):
+
+        jobs = SheetJobs("lab2_sheet_")                          # jobs.out: a fresh temporary folder
+        two = jobs.start(LAB2, "--json", jobs.out / "two.json")  # returns at once; two.result() waits
+        report = jobs.read_json("two.json")                      # after two.result()
+
+    Jobs beyond `at_once` queue: on a few CPU cores more jobs at once only slow each other down. Every
+    job gets run_torchrun's timeout, so a sheet never hangs; arguments may be paths or numbers.
+    """
+
+    def __init__(self, prefix: str, nproc: int = 2, use_gpus: bool = False, timeout_s: float = 180, at_once: int = 3):
+        import tempfile
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.out = Path(tempfile.mkdtemp(prefix=prefix))  # every file the sheet's jobs write goes here
+        self.nproc, self.use_gpus, self.timeout_s = nproc, use_gpus, timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="sheet_job")
+
+    def start(self, script: str | Path, *args, nproc: int | None = None) -> "Future[RunResult]":
+        """torchrun --standalone --nproc_per_node=nproc script args... in the background; `.result()` waits."""
+        return self._pool.submit(self.run, script, *args, nproc=nproc)
+
+    def run(self, script: str | Path, *args, nproc: int | None = None) -> RunResult:
+        """The same job, now: returns when it has ended (or was killed at the timeout)."""
+        return run_torchrun(script, [str(arg) for arg in args], nproc=nproc or self.nproc, timeout_s=self.timeout_s,
+                            use_gpus=self.use_gpus)
+
+    def read_json(self, name: str):
+        """A JSON file a job wrote into self.out (its --json report, say)."""
+        return json.loads((self.out / name).read_text())
+
+
+def verdict_lines(stdout: str, leave_out: tuple[str, ...] = ()) -> list[str]:
+    """The PASS / FAIL / SKIP lines of a lab's output, in order, without those that mention a leave_out word."""
+    return [line for line in stdout.splitlines()
+            if line[:4] in ("PASS", "FAIL", "SKIP") and not any(word in line for word in leave_out)]
