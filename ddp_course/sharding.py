@@ -30,18 +30,19 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-# torch.distributed's name -> the kind of collective, and where its full payload S is among the arguments
-# (position, keyword): all-reduce's and broadcast's tensor, all-gather's output, reduce-scatter's input.
+# torch.distributed's name -> the kind of collective, where its full payload S is among the arguments
+# (position, keyword: all-reduce's and broadcast's tensor, all-gather's output, reduce-scatter's input),
+# and the position of its `group` argument (it may also come as a keyword).
 COLLECTIVES = {
-    "all_reduce": ("all_reduce", 0, "tensor"),
-    "broadcast": ("broadcast", 0, "tensor"),
-    "all_gather": ("all_gather", 0, "tensor_list"),  # the output is a list of N tensors
-    "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
+    "all_reduce": ("all_reduce", 0, "tensor", 2),
+    "broadcast": ("broadcast", 0, "tensor", 2),
+    "all_gather": ("all_gather", 0, "tensor_list", 2),  # the output is a list of N tensors
+    "all_gather_into_tensor": ("all_gather", 0, "output_tensor", 2),
     # torch 2.14.1 names them all_gather_single / reduce_scatter_single; the old names still work and warn
     # (torch/distributed/distributed_c10d.py: all_gather_into_tensor is @deprecated, line 5176 of 2.14.1).
-    "all_gather_single": ("all_gather", 0, "output_tensor"),
-    "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
-    "reduce_scatter_single": ("reduce_scatter", 1, "input"),
+    "all_gather_single": ("all_gather", 0, "output_tensor", 2),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input", 3),
+    "reduce_scatter_single": ("reduce_scatter", 1, "input", 3),
 }
 RING_FACTOR = {  # wire bytes per rank = factor(N) x S
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -104,9 +105,11 @@ def _payload_bytes(value) -> int:
 
 @dataclass
 class CollectiveCounter:
-    """Collectives recorded by count_collectives(): calls is a list of (kind, S bytes), in call order."""
+    """Collectives recorded by count_collectives(): calls is a list of (kind, S bytes), in call order, and
+    groups the ranks of each call's process group (a tuple of global ranks, in the same order)."""
 
     calls: list[tuple[str, int]] = field(default_factory=list)
+    groups: list[tuple[int, ...]] = field(default_factory=list)
 
     def bytes_by_kind(self) -> dict[str, int]:
         """{kind: total payload S in bytes} over the recorded calls."""
@@ -119,12 +122,22 @@ class CollectiveCounter:
         """Bytes each rank sends for the recorded calls, by the ring costs (module docstring)."""
         return sum(RING_FACTOR[kind](world_size) * size for kind, size in self.calls)
 
+    def wire_bytes_by_group(self) -> dict[tuple[int, ...], float]:
+        """{ranks of a process group: bytes each of its ranks sends}, each call by its own group's size: on a
+        2-D mesh, what travels inside a group of ranks (a node) and what travels between groups."""
+        found: dict[tuple[int, ...], float] = {}
+        for (kind, size), ranks in zip(self.calls, self.groups):
+            found[ranks] = found.get(ranks, 0.0) + RING_FACTOR[kind](len(ranks)) * size
+        return found
 
-def _counting(kind: str, position: int, keyword: str, real, counter: CollectiveCounter):
+
+def _counting(kind: str, position: int, keyword: str, group_position: int, real, counter: CollectiveCounter):
     @functools.wraps(real)
     def wrapper(*args, **kwargs):
         payload = args[position] if len(args) > position else kwargs[keyword]
+        group = args[group_position] if len(args) > group_position else kwargs.get("group")
         counter.calls.append((kind, _payload_bytes(payload)))
+        counter.groups.append(tuple(dist.get_process_group_ranks(group or dist.group.WORLD)))
         return real(*args, **kwargs)
 
     return wrapper
