@@ -1,12 +1,17 @@
-"""Lab 8: sharded data parallelism - DDP, ZeRO-1 and FSDP (yours and torch's), checked, weighed and timed.
+"""Lab 8: sharded data parallelism - DDP, ZeRO-1, ZeRO-2 and FSDP (yours and torch's), checked, weighed and timed.
 
 labs/minifsdp.py is the exercise (solutions/minifsdp.py the finished version): FSDP written from scratch,
 every rank keeping 1/N of each weight matrix. This script runs lab 6's character transformer under
   ddp          torch's DistributedDataParallel: everything replicated, gradients all-reduced
   zero1        torch DDP + lab 6's ShardedOptimizer (solutions/minddp.py): Adam's state sharded,
                each updated parameter broadcast from the rank that owns it
+  zero2        ZeRO-2 without DDP (labs/minizero2.py, complete: read it): full weights, gradients
+               reduce-scattered bucket by bucket during backward, 1/N of the gradients and of Adam's state
+               kept, the updated slices all-gathered
   fsdp         your FSDP from scratch (--module labs, the default) or ours (--module solutions)
   fully_shard  torch's FSDP2 (torch.distributed.fsdp.fully_shard) on a DeviceMesh of the job's ranks
+  fully_shard_keep  the same with reshard_after_forward=False: each block's weights kept from its forward
+               to its backward (SHARD_GRAD_OP): ZeRO-2's bytes per step, 1/N of the weights between steps
 and for each one
   1. CHECKS: after --check-steps SGD steps on disjoint shards, the full weights must equal those of ONE
      process training on the whole global batch, within 64 x steps x float32 eps x max|w| (lab 6's bound:
@@ -67,9 +72,14 @@ from ddp_course.sharding import StepWatch, count_collectives, cuda_peak, model_s
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Lab 6's model, data, batch and timing helpers, used as they are: the same workload, the same clock.
 lab6 = import_script(REPO_ROOT / "labs" / "lab6_ddp_from_scratch.py", "lab6_ddp_from_scratch")
-IMPLS = ("ddp", "zero1", "fsdp", "fully_shard")
-STAGE = {"ddp": "ddp", "zero1": "zero1", "fsdp": "fsdp", "fully_shard": "fsdp"}  # the formula each one follows
+IMPLS = ("ddp", "zero1", "zero2", "fsdp", "fully_shard", "fully_shard_keep")
+# The bytes-per-step formula each follows: fully_shard_keep all-gathers once and reduce-scatters, as ZeRO-2.
+STAGE = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsdp", "fully_shard": "fsdp", "fully_shard_keep": "zero2"}
+FULLY_SHARD = ("fully_shard", "fully_shard_keep")
 ADAMW_LR = 1e-3
+# ZeRO-2's buckets: about one transformer block each (0.75 MiB), so that during backward only the bucket
+# being filled holds full gradients (with DDP's 25 MiB this 3 MiB model would be one bucket: all of them).
+ZERO2_BUCKET_MB = 1.0
 BYTES_TOLERANCE = 0.05  # measured bytes per step vs the formula: padding and the replicated vectors stay far below
 MIB = 2**20
 
@@ -117,7 +127,7 @@ class Trained:
     def __init__(self, impl: str, args, ctx, modules: dict, make_optimizer):
         self.impl, self.model = impl, lab6.new_model(args, ctx)  # the same weights on every rank
         self.wrapped = wrap(impl, self.model, args, ctx, modules)
-        self.optimizer = make_optimizer(self.wrapped.parameters())
+        self.optimizer = make_optimizer(self.wrapped)
 
     def step(self, inputs, targets) -> None:
         """One training step. Gradients are cleared at the start, so after it they can be weighed."""
@@ -150,24 +160,31 @@ def wrap(impl: str, model, args, ctx, modules: dict):
         # below; matrices: every module that owns a matrix is its own unit (one message per weight matrix).
         units = list(model.blocks) if args.fsdp_units == "blocks" else None
         return modules["minifsdp"].FSDP(model, units=units)
-    if impl == "fully_shard":
+    if impl == "zero2":
+        return modules["minizero2"].ZeRO2(model, bucket_cap_mb=ZERO2_BUCKET_MB)  # labs/minizero2.py: no DDP wrapper
+    if impl in FULLY_SHARD:
         from torch.distributed.device_mesh import init_device_mesh  # imports torch._dynamo: seconds, so only here
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # cpu + gloo, or cuda + NCCL
-        # reshard_after_forward=True everywhere, the root too (its default keeps the root's weights
-        # gathered until backward): then every weight is gathered twice per step, as ZeRO-3 and our FSDP do.
+        # fully_shard: reshard_after_forward=True everywhere, the root too (its default keeps the root's
+        # weights gathered until backward): every weight is gathered twice per step, as ZeRO-3 and our FSDP
+        # do. fully_shard_keep: False everywhere (SHARD_GRAD_OP): gathered once, kept until backward.
+        reshard = impl == "fully_shard"
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=True)
-        return fully_shard(model, mesh=mesh, reshard_after_forward=True)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     return model  # the controls: "single process", "no sync"
 
 
 def make_optimizer(impl: str, modules: dict, optimizer_cls, **kwargs):
-    """optimizer_cls over the parameters; ZeRO-1 wraps it in lab 6's ShardedOptimizer."""
+    """A function of the wrapped model: optimizer_cls over its parameters; ZeRO-1 wraps it in lab 6's
+    ShardedOptimizer; ZeRO-2 steps only this rank's slices, then all-gathers (minizero2.ShardedStep)."""
     if impl == "zero1":
-        return lambda params: modules["minddp"].ShardedOptimizer(params, optimizer_cls, **kwargs)
-    return lambda params: optimizer_cls(params, **kwargs)
+        return lambda wrapped: modules["minddp"].ShardedOptimizer(wrapped.parameters(), optimizer_cls, **kwargs)
+    if impl == "zero2":
+        return lambda wrapped: modules["minizero2"].ShardedStep(wrapped, optimizer_cls, **kwargs)
+    return lambda wrapped: optimizer_cls(wrapped.parameters(), **kwargs)
 
 
 def check(args, ctx, tokens, modules) -> dict:
@@ -179,13 +196,13 @@ def check(args, ctx, tokens, modules) -> dict:
         f"{args.batch_size * ctx.world_size}; tolerance {tolerance:.2g} ({lab6.EPS_PER_STEP} x steps x float32 eps x max|w|)")
     results = {}
     for impl in ["no sync"] + args.impls:
-        with lab6.deadline(args.case_timeout_s, f"{impl:<11} the check"):
+        with lab6.deadline(args.case_timeout_s, f"{impl:<16} the check"):
             trained = Trained(impl, args, ctx, modules, sgd(impl, modules))
             difference = lab6.job_max(float((weights_after(args, ctx, tokens, trained) - single).abs().max()), ctx)
         close = difference <= tolerance
         verdict = ("CONTROL DID NOT DIFFER" if close else "differs (control)") if impl == "no sync" else ("PASS" if close else "FAIL")
         results[impl] = {"max_abs_diff_vs_single_process": difference, "tolerance": tolerance, "verdict": verdict}
-        log(f"  {impl:<11} max|w - one process| {difference:.1e}   {verdict}")
+        log(f"  {impl:<16} max|w - one process| {difference:.1e}   {verdict}")
     return results
 
 
@@ -214,7 +231,7 @@ def measure(args, ctx, tokens, modules) -> tuple[dict, dict]:
             watch = weights_watch(trained[impl])
             with count_collectives(*modules.values()) as counter, watch.during(trained[impl].model, trained[impl].wrapped):
                 trained[impl].step(inputs, targets)
-        state = model_state_bytes(trained[impl].wrapped.parameters(), trained[impl].optimizer)
+        state = model_state_bytes(kept(trained[impl]), trained[impl].optimizer)
         peaks = {"weights_peak_bytes": watch.peak(), "gathered_peak_bytes": watch.peak("gathered"),
                  "gathered_after_forward_bytes": watch.at("after forward")["gathered"]}  # fmt: skip
         measured[impl] = {
@@ -241,15 +258,21 @@ def gathered_now(trained: Trained) -> list[torch.Tensor]:
     DDP and ZeRO-1 keep every weight whole: nothing is gathered."""
     if trained.impl == "fsdp":
         return [handle.full for handle in trained.wrapped.sharded.values()]
-    if trained.impl == "fully_shard":
+    if trained.impl in FULLY_SHARD:
         return [p for m in trained.model.modules() for p in m._parameters.values() if p is not None and not hasattr(p, "to_local")]
     return []
 
 
+def kept(trained: Trained) -> list[torch.Tensor]:
+    """The parameters a rank keeps between steps: the model's and the optimizer's (fully_shard's DTensor
+    shards stay in the optimizer while the modules show the unsharded weights; ZeRO-2's slices are views
+    of its full weights). Storages are counted once, so listing a tensor twice costs nothing."""
+    return [*trained.wrapped.parameters(), *(p for group in trained.optimizer.param_groups for p in group["params"])]
+
+
 def weights_watch(trained: Trained) -> StepWatch:
-    """The weights a rank keeps between steps (the optimizer's parameters: replicas, slices or fully_shard's
-    DTensor shards, which stay there while the modules show the unsharded ones), and those gathered."""
-    own = [p for group in trained.optimizer.param_groups for p in group["params"]]
+    """The weights a rank keeps between steps, and those gathered around their use."""
+    own = kept(trained)
     return StepWatch({"weights": lambda: own, "gathered": lambda: gathered_now(trained)})
 
 
@@ -284,10 +307,18 @@ def predicted(impl: str, bare_model, world_size: int) -> float:
     return predicted_bytes_per_step(STAGE[impl], matrices + vectors, 0, world_size)
 
 
+def modules_for(impls, module: str = "solutions") -> dict:
+    """The from-scratch code the implementations need: lab 6's ShardedOptimizer, ZeRO-2, an FSDP."""
+    modules = {"minddp": lab6.load_minddp("solutions")} if "zero1" in impls else {}
+    if "zero2" in impls:
+        modules["minizero2"] = import_script(REPO_ROOT / "labs" / "minizero2.py", "minizero2")
+    if "fsdp" in impls:
+        modules["minifsdp"] = load_minifsdp(module)
+    return modules
+
+
 def run(args, ctx) -> tuple[list[dict], bool]:
-    modules = {"minddp": lab6.load_minddp("solutions")} if "zero1" in args.impls else {}
-    if "fsdp" in args.impls:
-        modules["minifsdp"] = load_minifsdp(args.module)
+    modules = modules_for(args.impls, args.module)
     tokens, _ = text_splits(encode_text(load_stdlib_text()))
     log(f"config: impls={','.join(args.impls)} module={args.module} world_size={ctx.world_size} backend={ctx.backend} "
         f"device={ctx.device.type} batch={args.batch_size}x{lab6.CONTEXT} characters/rank")
@@ -349,7 +380,7 @@ def report(records: list[dict], args) -> None:
     log("bytes each rank sends per step (ring costs) and collectives per step:")
     log(format_table(rows, list(rows[0])))
     for r in records:
-        log(f"verdict {r['impl']:<11} {'PASS' if r['passed'] else 'FAIL'}" + "".join(f"\n  FAIL: {line}" for line in r["failures"]))
+        log(f"verdict {r['impl']:<16} {'PASS' if r['passed'] else 'FAIL'}" + "".join(f"\n  FAIL: {line}" for line in r["failures"]))
     if args.repeats:
         log(f"step time (AdamW): median of {args.repeats} repeats of {args.steps} steps, slowest rank")
         table = [{"impl": r["impl"], "step_time_ms": 1000 * r["step_time_s"], "vs_fully_shard": r["vs_fully_shard"]} for r in records]

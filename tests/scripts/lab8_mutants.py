@@ -1,9 +1,13 @@
-"""Test helper: labs/lab8_fsdp.py judging wrong FSDPs, every row in ONE torchrun job (one gloo group).
+"""Test helper: labs/lab8_fsdp.py on every implementation and judging wrong FSDPs, every row in ONE gloo group.
 
     torchrun --standalone --nproc_per_node=2 tests/scripts/lab8_mutants.py --json rows.json [--rows a,b]
 
-Each row runs the lab's own judge(args, ctx) - what main() runs between setting up and tearing down the
-process group - on one FSDP module, and records its exit status and what rank 0 printed. --impl fsdp:
+tests/scripts/sharding_checks.py runs these rows in its 2-rank job (run_rows), beside lab 6's and lab 8's
+other checks: one torch start-up for all of them. Each row runs the lab's own judge(args, ctx) - what main()
+runs between setting up and tearing down the process group - and records its exit status, what rank 0
+printed, and the records the lab wrote (--json). The lab on the finished code:
+  all_impls          --impl all, few steps, one timing repeat: every implementation PASSes, status 0
+On one FSDP module each, --impl fsdp:
   untouched          labs/minifsdp.py as committed: the first TODO, in one line, status 1
   sums               the solution, but the reduce-scatter SUMS the ranks' gradient slices (forgets to
                      average): the weights differ from one process's
@@ -27,6 +31,7 @@ import contextlib
 import io
 import json
 import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -91,7 +96,9 @@ def from_file(folder: str, mutate=None):
 
 
 FSDP_CHECK = ["--impl", "fsdp", "--check-steps", "1", "--warmup-steps", "1", "--repeats", "0"]
+ALL_IMPLS = ["--impl", "all", "--check-steps", "2", "--warmup-steps", "1", "--steps", "1", "--repeats", "1"]
 ROWS = {  # row -> (--module the lab is told, how to build the minifsdp it gets, the lab's other flags)
+    "all_impls": ("solutions", from_file("solutions"), ALL_IMPLS),
     "untouched": ("labs", from_file("labs"), FSDP_CHECK),
     "sums": ("solutions", from_file("solutions", summing), FSDP_CHECK),
     "never_frees": ("solutions", from_file("solutions", never_freeing), FSDP_CHECK),
@@ -107,10 +114,22 @@ def run_row(name: str, ctx) -> dict:
     module_name, build, flags = ROWS[name]
     minifsdp = build(f"{name}_minifsdp")  # a fresh copy per row
     lab8.load_minifsdp = lambda module: minifsdp
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = lab8.judge(lab8.parse_args(["--module", module_name, *flags]), ctx)
-    return {"status": status, "stdout": out.getvalue(), "stderr": err.getvalue()}
+    out, err, program = io.StringIO(), io.StringIO(), sys.argv[0]
+    sys.argv[0] = str(LAB8)  # the lab's error lines start with its own name, as when torchrun runs it
+    with tempfile.TemporaryDirectory(prefix="lab8_row_") as folder:  # rank 0's records are the ones written
+        records = Path(folder) / "records.json"
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                status = lab8.judge(lab8.parse_args(["--module", module_name, *flags, "--json", str(records)]), ctx)
+        finally:
+            sys.argv[0] = program
+        found = json.loads(records.read_text()) if records.exists() else None
+    return {"status": status, "stdout": out.getvalue(), "stderr": err.getvalue(), "records": found}
+
+
+def run_rows(ctx, rows=tuple(ROWS)) -> dict:
+    """{row: its result}, every row in this job's process group; every wrapper is dropped inside run_row."""
+    return {name: run_row(name, ctx) for name in rows}
 
 
 def main() -> int:
@@ -122,10 +141,9 @@ def main() -> int:
     rows = args.rows.split(",")
     if set(rows) - set(ROWS):
         parser.error(f"unknown rows {sorted(set(rows) - set(ROWS))}")
-    sys.argv[0] = str(LAB8)  # the lab's error lines start with its own name, as when torchrun runs it
     ctx = setup_distributed("gloo", timeout_s=args.timeout_s)
     try:
-        results = {name: run_row(name, ctx) for name in rows}  # every wrapper is dropped inside run_row
+        results = run_rows(ctx, rows)
     finally:
         teardown_distributed()
     if ctx.is_main:
