@@ -63,7 +63,7 @@ first layer is a Linear gets float32 inputs against float16 weights, so cast the
 an embedding; cast the replicated parameters - a layer that adds a float32 bias to a float16 matrix
 product (nn.Linear with bias) fails with a dtype error, so use bias-free linears; scale the loss - with
 float16, small gradients underflow without a gradient scaler, so prefer bfloat16 (float16's exponent
-range is the reason lecture 5 pairs it with GradScaler). Tested on CPU only, with float16 matrices and
+range is the reason lecture 5b pairs it with GradScaler). Tested on CPU only, with float16 matrices and
 float32 LayerNorms (tests/scripts/minifsdp_check.py); CUDA's support for layer_norm on mixed dtypes has
 varied across releases: the compute_dtype path is NOT YET RUN on a GPU.
 
