@@ -317,7 +317,10 @@ def shared_directory(args, ctx, name: str) -> str:
     where: one host, one file system; several nodes need --checkpoint-dir on a shared file system)."""
     import tempfile
 
-    path = [str(Path(args.checkpoint_dir) / name) if args.checkpoint_dir else tempfile.mkdtemp(prefix=f"lab9_{name}_")]
+    if args.checkpoint_dir:
+        path = [str(Path(args.checkpoint_dir) / name)]
+    else:  # rank 0 alone creates it, so that remove_if_temporary leaves nothing behind
+        path = [tempfile.mkdtemp(prefix=f"lab9_{name}_") if ctx.is_main else None]
     dist.broadcast_object_list(path, src=0, device=ctx.device)
     return path[0]
 
