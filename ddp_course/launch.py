@@ -127,34 +127,6 @@ def start_in_background(script: str | Path, args=(), nproc: int = 2, timeout_s: 
     return future
 
 
-def start_jobs_in_turn(jobs, nproc: int = 2, timeout_s: float = 180, **options) -> "list[Future[RunResult]]":
-    """Start torchrun jobs [(script, args), ...] in the background, one after another; one future each.
-
-    On a 2-core laptop two 2-rank jobs at once only fight over the cores, so a sheet that needs
-    several queues them: the first starts now, each next one when the one before it ends.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrun")
-    futures = [pool.submit(run_torchrun, script, args, nproc=nproc, timeout_s=timeout_s, **options) for script, args in jobs]
-    pool.shutdown(wait=False)  # the thread ends with the last job
-    return futures
-
-
-def start_command_in_background(command: list, timeout_s: float = 180, **options) -> "Future[RunResult]":
-    """Start run_command(command, ...) in a background thread; `.result()` waits for it.
-
-    For a driver that launches torchrun itself (lab 5's sweep: `python labs/lab5_scaling.py --sweep ...`);
-    a torchrun script goes through start_in_background instead.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="job")
-    future = pool.submit(run_command, [str(part) for part in command], timeout_s=timeout_s, **options)
-    pool.shutdown(wait=False)  # the thread ends with the job; nothing else will be submitted
-    return future
-
-
 def run_command(
     command: list[str], timeout_s: float = 120, threads_per_rank: int | None = 1, env=None, cwd=None, use_gpus: bool = False
 ) -> RunResult:
@@ -316,6 +288,11 @@ class SheetJobs:
         """The same job, now: returns when it has ended (or was killed at the timeout)."""
         return run_torchrun(script, [str(arg) for arg in args], nproc=nproc or self.nproc, timeout_s=self.timeout_s,
                             use_gpus=self.use_gpus)
+
+    def start_command(self, *command) -> "Future[RunResult]":
+        """A command that is not a torchrun launch (lab 5's sweep driver, which launches torchrun itself), in
+        the same queue and with the same timeout; `.result()` waits."""
+        return self._pool.submit(run_command, [str(part) for part in command], timeout_s=self.timeout_s, use_gpus=self.use_gpus)
 
     def read_json(self, name: str):
         """A JSON file a job wrote into self.out (its --json report, say)."""

@@ -75,3 +75,20 @@ def test_verdict_lines_keep_the_verdicts_in_order_and_leave_out_what_is_asked():
     assert verdict_lines(stdout) == ["PASS  broadcast  ok", "FAIL  reduce  wrong on rank(s) 0", "SKIP  all_reduce_avg_op  old torch"]
     assert verdict_lines(stdout, leave_out=("avg_op",)) == ["PASS  broadcast  ok", "FAIL  reduce  wrong on rank(s) 0"]
     assert verdict_lines("all 7 checks passed\n") == []
+
+
+@pytest.mark.timeout(60)
+def test_a_command_that_is_not_torchrun_joins_the_same_queue_with_the_same_timeout(monkeypatch, tmp_path):
+    """Lab 5's sweep driver launches torchrun itself: the sheet starts it as a plain command, one at a time."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    commands = []
+
+    def fake_run_command(command, timeout_s=120, use_gpus=False, **_):
+        commands.append((command, timeout_s, use_gpus))
+        return RunResult(command, 0, "swept", "", 0.0, False)
+
+    monkeypatch.setattr(launch, "run_command", fake_run_command)
+    jobs = SheetJobs("sheet_", timeout_s=600, at_once=1)
+    result = jobs.start_command("python", Path("labs/lab5_scaling.py"), "--sweep", 1).result(timeout=10)
+    assert result.stdout == "swept"
+    assert commands == [(["python", "labs/lab5_scaling.py", "--sweep", "1"], 600, False)]
