@@ -29,6 +29,7 @@ import json
 import re
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,7 @@ class Runs:
 def run_all(workdir: str | Path) -> Runs:
     """Start every run at once, wait for all of them, return what they printed (see the module docstring)."""
     runs = Runs(Path(workdir))
+    runs.workdir.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=2 + len(BY_HAND)) as pool:
         cluster_job = pool.submit(_slurm_runs, runs)
         by_hand = {name: pool.submit(_by_hand, runs, name) for name in BY_HAND}
@@ -95,29 +97,33 @@ def _by_hand(runs: Runs, scenario: str) -> list[RunResult]:
     flags, rdzv = [*LAB3_FLAGS, "--save", runs.weights(scenario)], []
     if kind == "fail":
         flags, rdzv = [*flags, *FAIL_FAST_LAB3], [FAIL_FAST_RDZV]  # the later --timeout-s wins
-    command = agent_command(LAB3, flags, nnodes="2", nproc=1, endpoint=ENDPOINT, rdzv_id=scenario.replace(" ", "_"),
-                            torchrun_args=rdzv)  # fmt: skip
+    rdzv_id = scenario.replace(" ", "_")
+    command = agent_command(LAB3, flags, nnodes="2", nproc=1, endpoint=ENDPOINT, rdzv_id=rdzv_id, torchrun_args=rdzv)
     with VirtualHosts(loopback_name=loopback_name) as hosts:
         if scenario == "blocked port":
             hosts.block_port("node1", PORT)
+        deadline = time.monotonic() + LAUNCH_LIMIT_S[kind]  # one for both agents, which start together
         agents = [Agent(hosts.command(name, command), env) for name in hosts.names]
-        return [agent.wait(LAUNCH_LIMIT_S[kind]) for agent in agents]  # one deadline each, started together
+        return [agent.wait(deadline - time.monotonic()) for agent in agents]
 
 
 def _slurm_runs(runs: Runs) -> None:
     from ddp_course.slurm_cluster import SlurmCluster  # a module that needs the packages only when it runs
 
     environment = child_environment({}, 1, {"NPROC_PER_NODE": "1"}, use_gpus=False)  # one thread per rank, no GPU
+    def lab3_args(name):
+        return " ".join([*LAB3_FLAGS, "--save", str(runs.weights(name))])
+
     submissions = {
-        "lab3": (SBATCH, {"LAB3_ARGS": " ".join([*LAB3_FLAGS, "--save", str(runs.weights("slurm"))])}),
-        "wrong endpoint": (SBATCH, {"LAB3_ARGS": " ".join([*LAB3_FLAGS, "--save", str(runs.weights("slurm wrong endpoint"))]),
-                                    "RDZV_ENDPOINT": f"{ABSENT_HOST}:{PORT}", "TORCHRUN_ARGS": FAIL_FAST_RDZV}),
+        "lab3": (SBATCH, {"LAB3_ARGS": lab3_args("slurm")}),
+        "wrong endpoint": (SBATCH, {"LAB3_ARGS": lab3_args("slurm wrong endpoint"), "RDZV_ENDPOINT": f"{ABSENT_HOST}:{PORT}",
+                                    "TORCHRUN_ARGS": FAIL_FAST_RDZV}),
         "srun cpus": (SRUN_CPUS, {}),
     }  # fmt: skip
     cluster = SlurmCluster()
     try:
-        output = runs.workdir / "slurm_%j.out"
-        ids = {name: cluster.sbatch(script, [*SBATCH_ARGS, f"--chdir={REPO_ROOT}", f"--output={output}"], {**environment, **env})
+        where = [f"--chdir={REPO_ROOT}", f"--output={runs.workdir / 'slurm_%j.out'}"]
+        ids = {name: cluster.sbatch(script, [*SBATCH_ARGS, *where], {**environment, **env})
                for name, (script, env) in submissions.items()}  # fmt: skip
         records = cluster.wait(list(ids.values()), timeout_s=LAUNCH_LIMIT_S["train"])
         for name, job in ids.items():
@@ -195,8 +201,8 @@ def comparable(found: dict) -> dict:
 def lines(found: dict) -> list[str]:
     """The facts as the lab 7 sheet prints them."""
     def verdict(entry):
-        trained = entry["exit statuses"] == [0, 0]
-        return f"trained: {trained}, exit statuses {entry['exit statuses']}, stopped by the launcher: {entry['stopped by the launcher']}"
+        statuses, stopped = entry["exit statuses"], entry["stopped by the launcher"]
+        return f"trained: {statuses == [0, 0]}, exit statuses {statuses}, stopped by the launcher: {stopped}"
 
     wrong_iface, fixed, blocked = (found[f"by hand: {name}"] for name in BY_HAND)
     sbatch, wrong, srun = found["sbatch"], found["sbatch: wrong endpoint"], found["srun cpus"]
@@ -212,10 +218,12 @@ def lines(found: dict) -> list[str]:
         "SLURM 22.05, slurmctld on node1, slurmd on node1 and node2:",
         f"  sbatch --nodes=2 labs/slurm/lab3.sbatch: sacct {sbatch['sacct']}; torchrun tasks started: "
         + ", ".join(f"{node} {count}" for node, count in sbatch["torchrun tasks per node"].items()),
-        f"    weights equal the one-node run's: {sbatch['weights equal the reference']}; held-out accuracy {sbatch['accuracy']}",
+        f"    weights equal the one-node run's: {sbatch['weights equal the reference']}; "
+        f"held-out accuracy {sbatch['accuracy']}",
         f"  the same with RDZV_ENDPOINT={ABSENT_HOST}:{PORT} ({ABSENT_HOST} is down): sacct {wrong['sacct']}",
         f"    {wrong['diagnosis']}",
-        f"  srun -vv in a job of --cpus-per-task=2: without --cpus-per-task '{srun.get('without')}', with it '{srun.get('with')}'",
+        f"  srun -vv in a job of --cpus-per-task=2: without --cpus-per-task '{srun.get('without')}', "
+        f"with it '{srun.get('with')}'",
         f"processes left running after the cluster stopped: {found['left running after the cluster stopped']}",
     ]
 

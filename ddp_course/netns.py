@@ -3,10 +3,10 @@
 A network namespace is a copy of Linux's network stack: its own interfaces, addresses, routes,
 ports and firewall. Two of them joined by a veth pair (a virtual Ethernet cable, one end in each)
 behave like two hosts on a LAN: here node1 at 192.168.77.1 and node2 at 192.168.77.2, each with an
-interface called eth0 (and its own loopback, lo). Every process started on a host also gets its own hostname (a UTS
-namespace) and its own /etc/hosts (bound over the real one in a mount namespace of its own),
-so `node1` resolves as it would on a cluster. The hosts share the rest: the file system (the
-repository, the Python environment, the data) and the CPUs.
+interface called eth0 (and its own loopback, lo). Every process started on a host also gets its
+own hostname (a UTS namespace) and its own /etc/hosts (bound over the real one in a mount
+namespace of its own), so `node1` resolves as it would on a cluster. The hosts share the rest:
+the file system (the repository, the Python environment, the data) and the CPUs.
 
 Nothing outside the namespaces is touched: the machine's interfaces, addresses, /etc/hosts and
 firewall stay as they are, and the addresses above exist only inside the namespaces this module
@@ -151,11 +151,12 @@ class VirtualHosts:
 
     def block_port(self, name: str, port: int) -> None:
         """A firewall on host `name` drops incoming TCP to `port` (nftables), as a closed port on a cluster does."""
-        namespace = self.namespaces[name]
-        _in(namespace, "nft", "add", "table", "inet", "ddpc")
-        _in(namespace, "nft", "add", "chain", "inet", "ddpc", "input", "{ type filter hook input priority 0; policy accept; }")
+        nft = ["nft", "add"]
+        _in(self.namespaces[name], *nft, "table", "inet", "ddpc")
+        _in(self.namespaces[name], *nft, "chain", "inet", "ddpc", "input", "{ type filter hook input priority 0; }")
         # Only what comes in over the network (eth0), as usual: the host still reaches its own port on lo.
-        _in(namespace, "nft", "add", "rule", "inet", "ddpc", "input", "iifname", INTERFACE, "tcp", "dport", str(port), "drop")
+        drop = ["iifname", INTERFACE, "tcp", "dport", str(port), "drop"]
+        _in(self.namespaces[name], *nft, "rule", "inet", "ddpc", "input", *drop)
 
     def pids(self) -> list[int]:
         """Every process now running on any of the hosts."""
@@ -163,8 +164,21 @@ class VirtualHosts:
 
 
 def namespace_pids(namespace: str) -> list[int]:
-    listed = _run(["ip", "netns", "pids", namespace], check=False)
-    return [int(pid) for pid in listed.stdout.split()] if listed.returncode == 0 else []
+    """The processes in a named network namespace (what `ip netns pids` prints, without starting a process)."""
+    try:
+        wanted = os.stat(f"/run/netns/{namespace}")
+    except OSError:
+        return []
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                found = os.stat(f"/proc/{entry}/ns/net")
+            except OSError:
+                continue  # ended meanwhile, or a zombie (its namespaces are gone)
+            if (found.st_dev, found.st_ino) == (wanted.st_dev, wanted.st_ino):
+                pids.append(int(entry))
+    return pids
 
 
 def end_processes_in(namespaces, grace_s: float = 3.0) -> None:

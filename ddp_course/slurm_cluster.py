@@ -16,9 +16,11 @@ Found while building it (Slurm 22.05.8 here):
   "Unable to initialize cgroup plugin") even with proctrack/linuxproc and task/none. `ip netns
   exec` mounts a fresh /sys without the cgroup mounts, so processes enter a node's namespace with
   `nsenter --net=...` instead, which leaves /sys as it is (netns.VirtualHosts.command).
-- munged refuses a socket folder that not everyone can enter, and a key readable by others.
-- Without a database, plain `sacct` has nothing to read; `sacct --completion` reads the
-  jobcomp/filetxt record (slurm.conf above) and reports each job's state, exit code and nodes.
+- munged refuses a socket folder that not everyone can enter ("Socket is inaccessible: execute
+  permissions for all required").
+- Without slurmdbd (and the MySQL or MariaDB database it needs), plain `sacct` only says "Slurm
+  accounting storage is disabled"; `sacct --completion` reads the jobcomp/filetxt record
+  (labs/slurm/local_cluster.conf) and reports each job's state, exit code and nodes.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ SBATCH = REPO_ROOT / "labs" / "slurm" / "lab3.sbatch"
 PACKAGE_OF = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client", "sacct": "slurm-client",
               "munged": "munge", "mungekey": "munge", "nft": "nftables", "ip": "iproute2"}  # fmt: skip
 APT_PACKAGES = ("slurm-wlm", "munge", "nftables", "iproute2")  # slurm-wlm pulls slurmctld, slurmd and slurm-client
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+                   "BOOT_FAIL", "DEADLINE"}  # fmt: skip
 
 
 class ClusterUnavailable(RuntimeError):
@@ -113,7 +116,7 @@ class SlurmCluster:
 
     def _start(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        # munged insists: its socket folder enterable by everyone, its key folder and key private.
+        # munged insists that everyone can enter its socket's folder; the key stays private (mungekey: 0600).
         os.chmod(self.hosts.dir, 0o755)
         for folder, mode in (("", 0o755), ("munge-run", 0o755), ("munge-key", 0o700), ("state", 0o700), ("log", 0o755)):
             (self.dir / folder).mkdir(mode=mode, exist_ok=True)
@@ -128,7 +131,7 @@ class SlurmCluster:
                                           f"--pid-file={self.dir / 'munge-run' / 'munged.pid'}",
                                           f"--seed-file={self.dir / 'munge-key' / 'munged.seed'}"])  # fmt: skip
         self._wait(socket.exists, deadline, "munged did not create its socket")
-        self._daemon("node1", "slurmctld", ["slurmctld", "-D", "-i"])
+        self._daemon("node1", "slurmctld", ["slurmctld", "-D", "-i"])  # -D: in the foreground; -i: no saved state yet
         for node in self.hosts.names:
             self._daemon(node, f"slurmd-{node}", ["slurmd", "-D", "-N", node])
         self._wait(self._nodes_idle, deadline, "the nodes never became idle")
@@ -192,7 +195,7 @@ class SlurmCluster:
         late = [job for job in job_ids if job not in self._ended(job_ids)]
         if late:
             self.run(["scancel", *late], check=False)
-            self._wait(lambda: len(self._ended(job_ids)) == len(job_ids), time.monotonic() + 30, "scancel did not end the jobs")
+            self._wait(lambda: self._ended(job_ids) == set(job_ids), time.monotonic() + 30, "scancel did not end them")
         return self.records(job_ids)
 
     def _ended(self, job_ids) -> set[str]:

@@ -96,8 +96,8 @@ def test_a_rendezvous_port_dropped_by_a_firewall_fails_within_its_timeout(facts)
     found = facts["by hand: blocked port"]
     assert found["exit statuses"] == [1, 1] and not found["stopped by the launcher"]
     # Dropped, not refused: node2's agent waited its whole read_timeout (5 s) for an answer.
-    assert found["diagnosis"] == (
-        "unreachable: the rendezvous endpoint node1 did not answer within 5000 ms: a firewall drops its port, or the host is down")
+    assert found["diagnosis"] == ("unreachable: the rendezvous endpoint node1 did not answer within 5000 ms: "
+                                  "a firewall drops its port, or the host is down")
 
 
 @pytest.mark.timeout(600)
@@ -200,7 +200,8 @@ def test_the_sbatch_script_starts_one_torchrun_per_node():
     assert "--ntasks-per-node=1" in directives and not any("gpus-per-task" in line for line in directives)
     srun = text[text.index("\nsrun ") :]
     assert "--ntasks-per-node=1" in srun and "torchrun --nnodes=" in srun
-    assert '--rdzv-endpoint="$rdzv_endpoint"' in srun and 'rdzv_endpoint="${RDZV_ENDPOINT:-${head_node}:${rdzv_port}}"' in text
+    assert '--rdzv-endpoint="$rdzv_endpoint"' in srun
+    assert 'rdzv_endpoint="${RDZV_ENDPOINT:-${head_node}:${rdzv_port}}"' in text
     assert "29400" not in text and "29500" not in text
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
 
