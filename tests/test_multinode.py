@@ -216,6 +216,34 @@ def test_the_sbatch_script_asks_srun_for_the_cpus_again_and_says_what_survives_a
     assert "#SBATCH --requeue" in comments and "--no-kill" in comments and "--nnodes=MIN:MAX" in comments
 
 
+# What torch 2.14's agents and workers printed in the runs above (cut to the lines that matter), so that
+# diagnose_launch is also checked on machines that cannot make the hosts.
+GLOO_TO_LOOPBACK = ("RuntimeError: Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:152] timed out "
+                    "connecting: SO_ERROR: Connection refused, remote=[127.0.1.1]:16807$1")
+STORE_CLOSED = ("torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed.\n"
+                "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store "
+                "has failed. See inner exception for details.")
+DROPPED = ("torch.distributed.DistNetworkError: The client socket has timed out after 5000ms while trying to connect "
+           "to (node1, 29400).\ntorch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection "
+           "to the C10d store has failed. See inner exception for details.")
+NOBODY_JOINED = "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError"
+
+
+@pytest.mark.parametrize("outputs, kind", [
+    ((GLOO_TO_LOOPBACK, STORE_CLOSED), "wrong interface"),
+    ((STORE_CLOSED, GLOO_TO_LOOPBACK), "wrong interface"),  # the root cause wins, whichever node printed it
+    ((NOBODY_JOINED, DROPPED), "unreachable"),
+    ((NOBODY_JOINED,), "rendezvous"),
+    ((STORE_CLOSED,), "peer gone"),
+    (("ValueError: something else entirely",), "error"),
+])  # fmt: skip
+def test_diagnose_launch_names_the_root_cause_of_a_chain_of_failures(outputs, kind):
+    from ddp_course.multinode import diagnose_launch
+
+    found = diagnose_launch(*outputs)
+    assert found.kind == kind and "\n" not in str(found) and "29400" not in found.summary
+
+
 def test_free_port_is_free_and_not_fixed():
     ports = {free_port() for _ in range(3)}
     assert all(1024 <= port <= 65535 and not port_is_open("127.0.0.1", port) for port in ports)
