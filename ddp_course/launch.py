@@ -256,3 +256,100 @@ def import_script(path: str | Path, name: str | None = None):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+# --- lab sheets: background jobs and what they printed ----------------------------------------------
+# A sheet starts its jobs in its first code cell and reads them in later sections; these helpers keep
+# the thread pools, temporary folders and output parsing out of the sheet, one call each.
+
+
+def scratch_folder(prefix: str) -> Path:
+    """A new empty folder under the system's temporary directory, for everything a sheet's jobs write."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def start_command_in_background(command: list, timeout_s: float = 180, **options) -> "Future[RunResult]":
+    """run_command(command, timeout_s, **options) in a background thread; `.result()` waits for it.
+
+    For a job that is not a torchrun launch (a script run as one process, `python script.py`).
+    """
+    return start_jobs({"job": {"command": command, "timeout_s": timeout_s, **options}}, at_once=1, launch=run_command)["job"]
+
+
+def start_jobs(jobs: dict, at_once: int = 2, launch=None) -> "dict[str, Future[RunResult]]":
+    """Start every job in the background, at_once at a time, in the order given: {name: Future[RunResult]}.
+
+    jobs: {name: keyword arguments of launch (run_torchrun by default: script, args, nproc, env, ...)}.
+    A job may name an earlier job in "after": it then waits for that job to end before it starts (it
+    needs its files, say). On a few cores two jobs at a time finish sooner than all at once: more
+    only slow each other down (lab sheets 2, 3 and 7 measured it).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    launch = launch or run_torchrun
+    pool = ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="jobs")
+    futures: dict[str, Future] = {}
+    for name, job in jobs.items():
+        job = dict(job)
+        after = job.pop("after", None)
+        if after is not None and after not in futures:
+            pool.shutdown(wait=False)
+            raise ValueError(f"job {name!r} runs after {after!r}, which is not an earlier job")
+        futures[name] = pool.submit(_launch_after, futures.get(after), launch, job)
+    pool.shutdown(wait=False)  # the threads end with their jobs; nothing else will be submitted
+    return futures
+
+
+def _launch_after(earlier: "Future | None", launch, job: dict):
+    if earlier is not None:
+        earlier.result()  # started before this one, so it cannot be waiting for a thread
+    return launch(**job)
+
+
+def lines_by_rank(text: str) -> dict[int, list[str]]:
+    """{rank: its lines, in order} from the "[rank r] ..." lines of a job's output (ddp_course.distributed.log)."""
+    import re
+
+    lines: dict[int, list[str]] = {}
+    for rank, line in re.findall(r"^\[rank (\d+)\] (.*)$", text, flags=re.MULTILINE):
+        lines.setdefault(int(rank), []).append(line)
+    return dict(sorted(lines.items()))
+
+
+def rank_errors(stderr: str) -> list[str]:
+    """The distinct exceptions a torchrun job's ranks printed ("[rankN]: SomeError: ..."), sorted, without
+    the source-file prefix gloo puts in front of its messages ("[../gloo/transport/...] ")."""
+    import re
+
+    found = re.findall(r"^\[rank\d+\]: (\w+(?:Error|Exception): .*)$", stderr, flags=re.MULTILINE)
+    return sorted({re.sub(r"\[[^\]]*\]\s*", "", line) for line in found})
+
+
+def detail_mismatches(text: str) -> dict[int, tuple[int, str]]:
+    """{rank: (position of its collective in its sequence, from 0; the collective's type)} from the
+    "Detected mismatch between collectives" reports of TORCH_DISTRIBUTED_DEBUG=DETAIL: each rank's report
+    starts with its own collective (what it says about its peer is the checker's own exchange)."""
+    import re
+
+    own = re.compile(r"\[rank (\d+)\] Detected mismatch.*?Rank \d+ is running collective: "
+                     r"CollectiveFingerPrint\(SequenceNumber=(\d+),? ?OpType=(\w+)")  # fmt: skip
+    return {int(rank): (int(position), operation) for rank, position, operation in sorted(own.findall(text))}
+
+
+def copy_with_line_after(script: str | Path, anchor: str, line: str, folder: str | Path) -> Path:
+    """Write a copy of script into folder with `line` inserted after the one line that equals `anchor`.
+
+    How a sheet adds a logging probe to a script without editing it. ValueError when the anchor is not
+    exactly one line of the script (the script changed: the probe would go to the wrong place).
+    """
+    script = Path(script)
+    lines = script.read_text().splitlines(keepends=True)
+    matches = [index for index, text in enumerate(lines) if text.rstrip("\n") == anchor.rstrip("\n")]
+    if len(matches) != 1:
+        raise ValueError(f"{script.name}: the anchor line occurs {len(matches)} times, not once: {anchor.strip()!r}")
+    lines.insert(matches[0] + 1, line if line.endswith("\n") else line + "\n")
+    copy = Path(folder) / script.name
+    copy.write_text("".join(lines))
+    return copy
