@@ -22,7 +22,7 @@ FAILURES = [
              "TORCH_DISTRIBUTED_DEBUG=DETAIL\n(on gloo: in a reproduction without DDP)", "L6 §1 rank0-only, lab 4 §2"),
             ("one rank never arrives\n(stuck in I/O, a deadlock)", "dist.monitored_barrier names it;\npy-spy dump --pid PID", "L6 §1 missing-rank"),
             ("at an epoch's end: one rank\nhas more batches", "all-gather the batch counts;\nfix: Join([model])", "L6 §1 uneven, L3 §5"),
-            ("a parameter used on some ranks only", "timeout on some ranks, error on others;\nfind_unused_parameters=True", "L4 §2.5"),
+            ("a parameter used on some ranks only", "timeout on some ranks, error on others;\nfind_unused_parameters=True", "L4 §2.4"),
             ("on NCCL: SIGABRT, no Python error", "watchdog + flight-recorder dumps,\ncompared by sequence number", "L6 §2, exercise 1"),
         ],
     },
@@ -39,7 +39,7 @@ FAILURES = [
         "failure": "crash",
         "test": "a process exits\nwith an error",
         "leaves": [
-            ("every rank raises at the next iteration", "the message; TORCH_DISTRIBUTED_DEBUG=INFO\nnames the parameters without gradients", "L6 §1 unused-param, L4 §2.5"),
+            ("every rank raises at the next iteration", "the message; TORCH_DISTRIBUTED_DEBUG=INFO\nnames the parameters without gradients", "L6 §1 unused-param, L4 §2.4"),
             ("one process dies (exit -9: OOM killer,\n-6: NCCL watchdog, 1: an exception)", "torchrun's report: Root Cause rank and exit code;\n@record adds the traceback", "L6 §1, restart: L6 §5, lab 7"),
         ],
     },
