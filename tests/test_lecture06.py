@@ -217,4 +217,4 @@ def test_the_lecture_writes_its_maths_in_latex_not_in_code():
     text = lecture_text()
     for ascii_maths in ("`sqrt(2 C M)`", "`E[segment]", "`gamma(n-1)", "`u = 2^-24`", "`2 W P`", "`tau/2`", "`1/tau`"):
         assert ascii_maths not in text, ascii_maths
-    assert r"\sqrt{2CM}$" in text and r"$\gamma_k = \frac{k u}{1 - k u}$" in text
+    assert r"\sqrt{2CM}$" in text and r"$\gamma_j = \frac{j u}{1 - j u}$" in text
