@@ -241,7 +241,7 @@ def test_the_sheet_refuses_one_gpu_in_one_line(monkeypatch):
 
     source = next(cell.source for cell in nbformat.read(SHEET, as_version=4).cells if "USE_GPUS = False" in cell.source)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(ddp_course.launch, "start_in_background", lambda *args, **kwargs: pytest.fail("the sheet started a job on one GPU"))
+    monkeypatch.setattr(ddp_course.launch, "SheetJobs", lambda *args, **kwargs: pytest.fail("the sheet started a job on one GPU"))
     with pytest.raises(SystemExit) as stopped:
         exec(compile(source.replace("USE_GPUS = False", "USE_GPUS = True", 1), "<lab 8 sheet>", "exec"), {})
     assert str(stopped.value).startswith("lab 8 needs 2 or more ranks; this machine has 1 GPU(s)") and "\n" not in str(stopped.value)
