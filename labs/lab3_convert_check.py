@@ -16,12 +16,16 @@ What SCRIPT must accept and do (train_single.py already does all of it: keep it 
   followed by the number (0.9721, or 97.21%: enough digits to tell 1 image in 359); the last such
   line printed counts (rank 0 printing it is enough).
 
-The checker never reads SCRIPT's source. It launches SCRIPT under torchrun on 2 gloo ranks through
-lab 4's observer (labs/lab4_observe.py), which records which samples each rank read, the weights and
-gradients of every optimizer step, every collective called from Python and every torch.save. The
-one-process reference is computed here, in the checker's own process: a DigitsCNN that starts from
-rank 0's initial weights and trains with SCRIPT's optimizer (same class, same settings) on the
-global batches (each step, both ranks' batches together), for REFERENCE_STEPS steps. Seven checks, one line each:
+The checker never reads SCRIPT's source. It launches SCRIPT on 2 gloo ranks through lab 4's observer
+(labs/lab4_observe.py), which records which samples each rank read, the weights and gradients of
+every optimizer step, every collective called from Python and every torch.save. The job runs as two
+one-process nodes on this machine: two torchrun agents (--nnodes=2 --nproc_per_node=1) that meet at a
+c10d rendezvous on 127.0.0.1, as two machines would. So LOCAL_RANK is 0 on both ranks while RANK is
+0 and 1, and a script that shards its data by LOCAL_RANK, which a one-node run cannot tell from
+RANK, reads the same samples on both ranks and fails check 1. The one-process reference is computed
+here, in the checker's own process: a DigitsCNN that starts from rank 0's initial weights and trains
+with SCRIPT's optimizer (same class, same settings) on the global batches (each step, both ranks'
+batches together), for REFERENCE_STEPS steps. Seven checks, one line each:
 
   1 data-split       in epoch 0 the ranks read disjoint shares that cover the training set
   2 epoch-shuffle    epoch 1 reads the samples in a new order
@@ -36,6 +40,24 @@ Each line says PASS, FAIL with the evidence and a hint, or BLOCKED with the reas
 not be decided (the job died first, or a failed check makes it meaningless). Exit status 0 only when
 all seven pass, 1 otherwise, 2 for a bad command line. A job that hangs is killed after JOB_TIMEOUT_S
 seconds.
+
+What it cannot see:
+- the GPU half of the script. The job runs on CPUs with gloo (no GPU is visible to it), so the
+  device choice (cuda:LOCAL_RANK, torch.cuda.set_device, device_ids), NCCL and tensors left on the
+  wrong device are never executed here: a script can pass all seven checks and still put every
+  rank of a node on cuda:0. Read those lines against lecture 1's diff, then run it on a GPU machine.
+- check 6 barely sees two mistakes the course warns about, because on 2 ranks they change the
+  printed number by less than the tolerance of half an image in 359 (0.5/359 = 1.4e-3): a
+  DistributedSampler on the held-out set pads it to 360 with one repeated image, which moves the
+  accuracy by (359 - c)/(359 x 360), about 8e-5, when that image is classified correctly (about 97%
+  of the time), and fails only when it is not (2.7e-3); the mean of the two ranks' accuracies
+  instead of their summed counts differs from the job's by |a0 - a1|/(2 x 359), below 1.4e-3 for
+  any a0, a1, so it always passes. Both are harmless to the number at 2 ranks; they are still
+  wrong (more ranks, or uneven slices, make them visible), which check 6 does not claim to catch.
+- check 7's clean exit: the observer imports torch.distributed.nn.functional before SCRIPT runs
+  (labs/lab4_observe.py says why), so only the script's own cause of gloo's abort at exit (a DDP
+  model still alive at destroy_process_group()) can fail it; the hint names both causes, as the
+  script run on its own can meet either.
 """
 
 from __future__ import annotations
@@ -69,13 +91,13 @@ REPLICA_TOLERANCE = 1e-6  # relative; DDP keeps the replicas bit for bit equal
 REPLAY_TOLERANCE = 1e-3  # relative, on the distance the weights travelled; rounding gives about 1e-6
 
 CHECKS = {
-    1: ("data-split", "give the DataLoader a DistributedSampler: in every epoch each rank must read its own share of the samples"),
+    1: ("data-split", "give the DataLoader a DistributedSampler with the job-wide rank (RANK, or dist.get_rank()), never LOCAL_RANK, which starts at 0 again on every machine: in every epoch each rank must read its own share of the samples"),
     2: ("epoch-shuffle", "call sampler.set_epoch(epoch) before each epoch: the sampler shuffles with its seed plus the epoch number"),
     3: ("equal-replicas", "DDP broadcasts rank 0's weights when it wraps the model, then gives every rank the same averaged gradient; replicas that start apart never meet again"),
     4: ("global-gradient", "DDP's backward() already averages the gradients over ranks: back-propagate your batch's mean loss as it is, and clear the gradients every step"),
     5: ("checkpoint", "save once, on rank 0 (ranks writing the same file race), the bare model's weights: model.module.state_dict(), then a barrier"),
     6: ("job-metrics", "each rank scores only its part of the held-out set: all-reduce the counts (correct, seen) before printing the accuracy"),
-    7: ("clean-exit", "every rank must make the same collective calls in the same order; before destroy_process_group(), let the DDP model go and gc.collect()"),
+    7: ("clean-exit", "every rank must make the same collective calls in the same order. A gloo job aborts at exit (terminate called without an active exception) when its process group outlives destroy_process_group(), for two causes: a DDP model still alive (DDP keeps reference cycles: return from the function that built it, or del it, then gc.collect() before destroy_process_group()), and torch.distributed.nn.functional first imported after init_process_group (DDP imports it; its group= defaults then hold the group: import it before init_process_group). Lecture 1's labs/ddp_minimal.py marks both workarounds"),
 }  # fmt: skip
 # The held-out accuracy the script printed: the first decimal number (or number followed by %) after "accuracy".
 ACCURACY = re.compile(r"accuracy.*?(\d+\.\d+|\d+(?=\s*%))(\s*%)?", re.IGNORECASE)
@@ -106,8 +128,11 @@ def script_args(out_dir: Path) -> list:
 OBSERVER_ENV = {"LAB4_OBSERVE_STEPS": str(RECORDED_STEPS)}  # the observer records the first steps' gradients
 
 
+NODES = 2  # two one-process nodes: LOCAL_RANK 0 on both ranks (see the docstring)
+
+
 def observe(script: Path, out_dir: Path):
-    return lab4.observe(script, out_dir, script_args=script_args(out_dir), env=OBSERVER_ENV, timeout_s=JOB_TIMEOUT_S)
+    return lab4.observe(script, out_dir, script_args=script_args(out_dir), env=OBSERVER_ENV, timeout_s=JOB_TIMEOUT_S, nodes=NODES)
 
 
 def recorded_steps(obs) -> list[dict[int, dict]]:
@@ -252,7 +277,11 @@ def check_clean_exit(obs) -> Verdict:
     if not obs.finished:
         evidence = f"the job {obs.ended()}"
         if obs.run.aborted_at_exit:
-            evidence += ": a rank aborted at exit (terminate called without an active exception), the sign of a DDP model still alive when the process group was destroyed"
+            evidence += (
+                ": a rank aborted at exit (terminate called without an active exception), the sign of a DDP model still alive "
+                "when the process group was destroyed (the observer imported torch.distributed.nn.functional before your script, "
+                "which rules out the other cause here)"
+            )  # fmt: skip
         return Verdict(7, "FAIL", evidence)
     return Verdict(7, "PASS", f"{collectives.evidence} with exit status 0")
 
@@ -303,7 +332,7 @@ def main(argv=None) -> int:
         parser.error(f"no such script: {args.script}{first}")
 
     shown = " ".join([*SCRIPT_ARGS, "--save", "<temporary folder>/model.pt"])
-    print(f"lab 3 conversion checker: {args.script} under torchrun, {WORLD_SIZE} gloo ranks on the CPU: {shown}", flush=True)
+    print(f"lab 3 conversion checker: {args.script} under torchrun, {WORLD_SIZE} gloo ranks on the CPU as {NODES} one-process nodes: {shown}", flush=True)
     with tempfile.TemporaryDirectory(prefix="lab3_check_") as out_dir:
         obs, verdicts = check(script.resolve(), Path(out_dir))
     if args.show_output:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import sys
 import tempfile
@@ -36,8 +37,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ddp_course.cli import CourseArgumentParser, positive_float
 from ddp_course.data import DatasetSplits, load_digits
-from ddp_course.launch import REPO_ROOT, RunResult, run_torchrun
+from ddp_course.launch import LAUNCH_LOG_VARIABLE, REPO_ROOT, RunResult, append_to_launch_log, run_torchrun
 from ddp_course.models import DigitsCNN
+from ddp_course.multinode import agent_command, free_port, run_agents
 
 OBSERVER = Path(__file__).resolve().parent / "lab4_observe.py"
 DEFAULT_SCRIPT = "labs/lab4_broken_ddp.py"
@@ -149,9 +151,37 @@ def default_script_args(out_dir: Path) -> list:
     return [*SCRIPT_ARGS, "--save", out_dir / "model.pt", "--metrics-json", out_dir / "metrics.json"]
 
 
-def observe(script: Path, out_dir: Path, rescue: bool = True, script_args=None, env=None, timeout_s=None) -> Observation:
-    """Run script on WORLD_SIZE observed ranks. By default with lab 4's flags; another checker passes
-    its own script_args (the whole list), extra environment variables and time limit."""
+def run_job(script: Path, args, nodes: int, timeout_s: float, env: dict) -> RunResult:
+    """script under torchrun on WORLD_SIZE ranks: one node (--standalone), or `nodes` nodes on this host.
+
+    Several nodes are several torchrun agents (--nnodes=nodes, WORLD_SIZE // nodes processes each)
+    that meet at a c10d rendezvous on 127.0.0.1 at a free port, as the machines of a multi-node job
+    do (ddp_course/multinode.py). On two one-process nodes LOCAL_RANK is 0 on both ranks while RANK is
+    0 and 1: a script that uses LOCAL_RANK where it means RANK shows it. One RunResult for the job:
+    the agents' outputs one after the other, the first non-zero exit status, timed out if any agent was.
+    """
+    if nodes == 1:
+        return run_torchrun(script, args, nproc=WORLD_SIZE, timeout_s=timeout_s, env=env)
+    port = free_port()
+    command = agent_command(script, args, nnodes=str(nodes), nproc=WORLD_SIZE // nodes, endpoint=f"127.0.0.1:{port}", rdzv_id=f"observed{port}")
+    # The first agent hosts the rendezvous store; the other starts once it listens.
+    agents = run_agents([command] * nodes, timeout_s, env=env, stagger_host=("127.0.0.1", port))
+    timed_out = any(agent.timed_out for agent in agents)
+    status = None if timed_out else next((agent.returncode for agent in agents if agent.returncode), 0)
+    run = RunResult(
+        command=[*agents[0].command, f"(and {nodes - 1} more agent{'s' if nodes > 2 else ''} with the same command)"], returncode=status,
+        stdout="".join(agent.stdout for agent in agents), stderr="".join(agent.stderr for agent in agents),
+        wall_s=max(agent.wall_s for agent in agents), timed_out=timed_out,
+    )  # fmt: skip
+    if os.environ.get(LAUNCH_LOG_VARIABLE):  # counted like any launch (ddp_course/launch.py)
+        append_to_launch_log(os.environ[LAUNCH_LOG_VARIABLE], run)
+    return run
+
+
+def observe(script: Path, out_dir: Path, rescue: bool = True, script_args=None, env=None, timeout_s=None, nodes: int = 1) -> Observation:
+    """Run script on WORLD_SIZE observed ranks. By default with lab 4's flags, on one node; another
+    checker passes its own script_args (the whole list), extra environment variables, time limit and
+    number of nodes (see run_job)."""
     if script_args is None:
         script_args = default_script_args(out_dir)
     env = {
@@ -160,7 +190,7 @@ def observe(script: Path, out_dir: Path, rescue: bool = True, script_args=None, 
         **(env or {}),
     }  # fmt: skip
     limit_s = JOB_TIMEOUT_S if timeout_s is None else timeout_s
-    run = run_torchrun(OBSERVER, [out_dir, script, *script_args], nproc=WORLD_SIZE, timeout_s=limit_s, env=env)
+    run = run_job(OBSERVER, [out_dir, script, *script_args], nodes, limit_s, env)
     observation = Observation(run, out_dir, timeout_s=limit_s)
     for rank in range(WORLD_SIZE):
         path = out_dir / f"events-r{rank}.jsonl"
@@ -242,6 +272,12 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / a.norm().clamp_min(1e-30))
 
 
+def best_multiple(observed: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(c, relative residual) of the least-squares fit observed ~ c x reference."""
+    c = float(observed @ reference / (reference @ reference))
+    return c, relative(observed, c * reference)
+
+
 def gradient_steps(obs: Observation, train, count: int = 3, own_params: bool = False) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
     """[(observed, reference) per recorded step, at most count], or a reason why none could be compared."""
     images, labels = train.tensors
@@ -266,9 +302,9 @@ def check_gradient_scale(steps, problem: str | None, obs: Observation) -> tuple[
     if not steps:
         return Verdict(7, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}"), None
     observed, reference = steps[0]
-    scale = float(observed @ reference / (reference @ reference))
+    scale, residual = best_multiple(observed, reference)
     global_batch = f"{WORLD_SIZE} ranks x {BATCH_SIZE} samples"
-    if relative(observed, scale * reference) > GRADIENT_TOLERANCE:
+    if residual > GRADIENT_TOLERANCE:
         off = relative(observed, reference)
         return Verdict(7, "FAIL", f"step 1's gradient is not the gradient of the mean loss over the global batch ({global_batch}): relative difference {off:.2f}"), None
     if abs(scale - 1) > GRADIENT_TOLERANCE:
@@ -277,6 +313,15 @@ def check_gradient_scale(steps, problem: str | None, obs: Observation) -> tuple[
 
 
 def check_fresh_gradients(steps, problem: str | None, scale: float | None, obs: Observation) -> Verdict:
+    """Does each step's .grad hold only its own batch's gradient? Judged at each step's own scale.
+
+    The scale of a gradient is check 7's business: a loss multiplied by the world size gives every
+    step twice its gradient, fresh all the same, and must fail check 7 alone. So a step passes here
+    when its gradient is SOME multiple of its own batch's reference gradient, and gradients that pile
+    up show as a step whose gradient minus the previous step's is such a multiple. scale is only
+    asked whether step 1's gradient is a multiple of its reference at all (None: it is not, and no
+    later step can be judged by this comparison).
+    """
     if problem:
         return Verdict(2, "BLOCKED", problem)
     if len(steps) < 2:
@@ -285,9 +330,9 @@ def check_fresh_gradients(steps, problem: str | None, scale: float | None, obs: 
         return Verdict(2, "BLOCKED", "step 1's gradient is not a multiple of the reference (check 7), so later steps cannot be compared")
     for step in range(1, len(steps)):
         (observed, reference), (previous, _) = steps[step], steps[step - 1]
-        if relative(observed, scale * reference) <= GRADIENT_TOLERANCE:
+        if best_multiple(observed, reference)[1] <= GRADIENT_TOLERANCE:
             continue
-        if relative(observed, scale * reference + previous) <= GRADIENT_TOLERANCE:
+        if best_multiple(observed - previous, reference)[1] <= GRADIENT_TOLERANCE:
             return Verdict(2, "FAIL", f"step {step + 1}'s gradient is step {step}'s gradient plus that of its own batch: gradients pile up from step to step")
         return Verdict(2, "FAIL", f"step {step + 1}'s gradient is neither its own batch's gradient nor that plus step {step}'s")
     return Verdict(2, "PASS", f"steps 2 to {len(steps)} each hold only the gradient of their own batch")

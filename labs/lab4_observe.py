@@ -31,6 +31,15 @@ and is only recorded (entered, failed), and state-r<rank>.json tells where each 
 
 The observer keeps numbers and copied tensors only, never the model, optimizer or DDP wrapper: a DDP
 model still alive at destroy_process_group() makes gloo abort at exit (ddp_course/distributed.py).
+It also imports torch.distributed.nn.functional before SCRIPT runs, so that a verdict about a clean
+exit does not depend on a torch quirk that is no mistake of the script: that module declares its
+functions with `group=group.WORLD` defaults, evaluated when it is first imported. DDP's first
+construction imports it lazily, after init_process_group, and then ten default arguments keep the
+default group (and gloo's worker threads) alive past destroy_process_group(), which can abort the
+process at exit ("terminate called without an active exception") in a script that did everything
+right (ddp_course/distributed.py explains it where the course's own scripts make the same import).
+Imported first, the defaults are None, which every collective reads as the default group. So the
+abort that remains observable is the script's own: a DDP model still alive at destroy.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401 - before the script's init_process_group (see the docstring)
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 

@@ -16,9 +16,13 @@ ONE module fixture, `jobs`, starts all 6 launches of both checkers:
 - the learners' commands, end to end (exit status, output): lab 3's checker's main() on its
   solution, in this process, and `python labs/lab4_check.py` on lab 4's exercise, in a process of
   its own;
-- ONE launch for the 14 planted mistakes of both checkers and lab 4's solution, row after row in
+- ONE launch for the 16 planted mistakes of both checkers and lab 4's solution, row after row in
   the same 2 ranks (tests/scripts/observe_rows.py; each row has its own observer, process group,
-  store keys and its checker's observer settings), each judged by its checker's own judge(). Lab 4's
+  store keys and its checker's observer settings), each judged by its checker's own judge(). The
+  launch runs as lab 3's checker runs its job, as two one-process nodes (two torchrun agents):
+  LOCAL_RANK is 0 on both ranks, which lab 3's local-rank-sampler mistake needs to show. Lab 4's
+  checker launches one node; its rows here differ only in LOCAL_RANK, which nothing it judges
+  reads, and its scripts pass --backend gloo, so they take setup_distributed's one-node path. Lab 4's
   bug 5 and lab 3's barrier-on-rank-0 are rescued by the observer, and lab 4's solution runs last
   and must pass: neither a rescued row nor a row with the other checker's settings spoils the rows
   after it;
@@ -70,6 +74,9 @@ MISTAKES = {
     "no-sampler": (1, [  # the DataLoader shuffles the whole training set on every rank
         ("batch_size=args.batch_size, sampler=sampler)", "batch_size=args.batch_size, shuffle=True)"),
     ]),
+    "local-rank-sampler": (1, [  # the sampler's rank is the process's index on its machine: 0 on both nodes
+        ("num_replicas=world_size, rank=rank, shuffle=True", 'num_replicas=world_size, rank=int(os.environ["LOCAL_RANK"]), shuffle=True'),
+    ]),
     "no-set-epoch": (2, [  # the sampler never learns the epoch: every epoch repeats epoch 0's order
         ("        sampler.set_epoch(epoch)  # DDP: a new permutation every epoch, the same on every rank\n", ""),
     ]),
@@ -99,6 +106,7 @@ MISTAKES = {
 # What lab 3's checker must say about each mistake: the failed check's line matches this (status, then evidence).
 MISTAKE_EVIDENCE = {
     "no-sampler": r"FAIL +ranks 0 and 1 both trained on sample \d+ in epoch 0 \(1438 of the 1438 training samples were read by both\)",
+    "local-rank-sampler": r"FAIL +ranks 0 and 1 both trained on sample \d+ in epoch 0 \(719 of the 1438 training samples were read by both\)",
     "no-set-epoch": r"FAIL +rank 0 read the same 719 samples in the same order in epochs 0 and 1",
     "unequal-start": r"FAIL +before the first optimizer step rank 1's weights differ from rank 0's \(relative difference \d\.\d\d\): the replicas started apart",
     "loss-over-world-size": r"FAIL +step 1's gradient is 0\.50 x the gradient of the mean loss over the global batch \(2 ranks x 128 samples\)",
@@ -144,6 +152,14 @@ BUGS = {
     ),
 }  # fmt: skip
 
+# Other spellings of a bug, each a row of its own that must fail that bug's check alone: {name: (bug, edit)}.
+SPELLINGS = {
+    "7-loss-times-world-size": (7, (  # the loss multiplied by the world size, "to undo DDP's average"
+        "            loss.backward()  # DDP all-reduces: every rank now holds the gradient averaged over ranks\n",
+        "            (loss * ctx.world_size).backward()  # each rank's loss as if it held the whole batch\n",
+    )),
+}  # fmt: skip
+
 # What lab 4's checker must say about each bug: the check's line matches this (status, then evidence).
 BUG_EVIDENCE = {
     1: r"FAIL +ranks 0 and 1 both trained on sample \d+ in epoch 0 \(1438 of the 1438 training samples were read by both\)",
@@ -153,6 +169,7 @@ BUG_EVIDENCE = {
     5: r"FAIL +rank 0 called all_reduce of a 2-element float32 tensor after optimizer step \d+ \(epoch 0\) while rank 1 called barrier",
     6: r"FAIL +the reported eval_accuracy 0\.\d{4} is the saved model's score on the 180 held-out images rank 0 evaluated \(\d+/180\); on all 359 held-out images it scores 0\.\d{4} \(\d+/359\)",
     7: r"FAIL +step 1's gradient is 0\.50 x the gradient of the mean loss over the global batch",
+    "7-loss-times-world-size": r"FAIL +step 1's gradient is 2\.00 x the gradient of the mean loss over the global batch",
 }  # fmt: skip
 
 # A check's line in either checker's output: number, name, status, evidence (and " -- hint: ..." on a FAIL).
@@ -169,8 +186,9 @@ HUNG_JOB_LIMIT_S = 45
 # The unrescued exercise hangs at the end of epoch 0 and dies 10 s later at gloo's timeout: 29-32 s.
 UNRESCUED_JOB_LIMIT_S = 90
 # The one launch of the 15 rows (each 2 epochs, after one start-up): 36-41 s (42 s with
-# ATEN_CPU_CAPABILITY=default); a hung row is killed at this limit.
-ROWS_TIMEOUT_S = 120
+# ATEN_CPU_CAPABILITY=default); with 17 rows on two one-process nodes: ROWS_MEASURED below. A
+# hung row is killed at this limit.
+ROWS_TIMEOUT_S = 150
 # `python labs/lab4_check.py` on the exercise: 16-18 s; its job has the checker's own limit (60 s).
 BROKEN_COMMAND_TIMEOUT_S = 150
 # The minimal hang: 5-7 s.
@@ -244,7 +262,8 @@ def checker(convert_checker):
 
 def observe_rows_of_both_checkers(checker, convert_checker, folder) -> dict:
     """{row name: Observation} from ONE launch (see the docstring), in this order: lab 4's bugs 1 to 7
-    (names 1 to 7), lab 3's mistakes (their names), then lab 4's solution ("lab4-solution").
+    (names 1 to 7) and the other spellings of its bugs (SPELLINGS), lab 3's mistakes (their names),
+    then lab 4's solution ("lab4-solution").
 
     Lab 4's rows run with its flags and the observer's default settings; lab 3's with its own flags
     and OBSERVER_ENV (every step's gradients recorded). Bug 5's and barrier-on-rank-0's rows are
@@ -258,13 +277,18 @@ def observe_rows_of_both_checkers(checker, convert_checker, folder) -> dict:
         script.parent.mkdir()
         script.write_text(solution_with([bug]))
         rows[bug] = (script, checker.default_script_args, {})
+    for name, (_, edit) in SPELLINGS.items():
+        script = folder / name / "lab4_broken_ddp.py"
+        script.parent.mkdir()
+        script.write_text(with_edits(LAB4_SOLUTION.read_text(), [edit]))
+        rows[name] = (script, checker.default_script_args, {})
     for name, (_, edits) in MISTAKES.items():
         script = folder / name / "my_ddp.py"
         script.parent.mkdir()
         script.write_text(with_edits(CONVERT_SOLUTION.read_text(), edits))
         rows[name] = (script, convert_checker.script_args, convert_checker.OBSERVER_ENV)
     rows["lab4-solution"] = (LAB4_SOLUTION, checker.default_script_args, {})
-    return observe_rows.observe_in_one_launch(checker, rows, folder, ROWS_TIMEOUT_S)
+    return observe_rows.observe_in_one_launch(checker, rows, folder, ROWS_TIMEOUT_S, nodes=convert_checker.NODES)
 
 
 @pytest.fixture(scope="module")
@@ -443,6 +467,17 @@ def test_observed_ranks_read_the_same_digits(checker, tmp_path):
             assert a.dtype == b.dtype and torch.equal(a, b), split
 
 
+def test_the_observer_imports_nn_functional_before_any_script_runs():
+    """Before the script's init_process_group: its group= defaults then capture None, not the group
+    (labs/lab4_observe.py's docstring), so a correct script's clean exit is not a coin toss. The
+    rows launch imports the observer before its first row, and the checker runs it as torchrun's
+    script: a module-level import runs before either reaches a script."""
+    tree = ast.parse((REPO_ROOT / "labs" / "lab4_observe.py").read_text())
+    imported_at = [node.lineno for node in tree.body if isinstance(node, ast.Import) and any(a.name == "torch.distributed.nn.functional" for a in node.names)]
+    first_function = min(node.lineno for node in tree.body if isinstance(node, ast.FunctionDef))
+    assert imported_at and imported_at[0] < first_function, imported_at
+
+
 @pytest.mark.parametrize(("script", "args", "expected"), BAD_COMMAND_LINES, ids=[f"{s.name} {' '.join(a)}" for s, a, _ in BAD_COMMAND_LINES])
 def test_bad_command_lines_fail_with_one_line(script, args, expected, monkeypatch, capsys):
     """Parsed in this process, as `python SCRIPT ARGS` would parse them (no torchrun: RANK is unset)."""
@@ -504,13 +539,15 @@ def test_lab4_solution_passes_all_seven_checks(checker, jobs):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("bug", sorted(BUGS))
+@pytest.mark.parametrize("bug", [*sorted(BUGS), *SPELLINGS])
 def test_each_bug_alone_fails_its_check_and_only_it(checker, jobs, bug):
-    """A row of its own for each bug: the solution with that one edit (see observe_rows_of_both_checkers)."""
+    """A row of its own for each bug, and for each other spelling of one: the solution with that one
+    edit (see observe_rows_of_both_checkers)."""
     observation, verdicts, _ = judged_row(checker.judge, jobs, bug)
+    number = SPELLINGS[bug][0] if bug in SPELLINGS else bug
     assert observation.run.ok, observation.run.describe()
-    assert re.match(BUG_EVIDENCE[bug], verdicts[bug]), verdicts[bug]
-    others = {number: line for number, line in verdicts.items() if number != bug}
+    assert re.match(BUG_EVIDENCE[bug], verdicts[number]), verdicts[number]
+    others = {other: line for other, line in verdicts.items() if other != number}
     assert all(line.startswith("PASS ") for line in others.values()), others
 
 

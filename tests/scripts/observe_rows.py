@@ -41,18 +41,19 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ddp_course.launch import RunResult, import_script, run_torchrun
+from ddp_course.launch import RunResult, import_script
 
 OBSERVER = Path(__file__).resolve().parents[2] / "labs" / "lab4_observe.py"
 
 
 # --- the launching side, in the test process -------------------------------------------------------------
-def observe_in_one_launch(lab4, jobs: dict, folder: Path, timeout_s: float) -> dict:
+def observe_in_one_launch(lab4, jobs: dict, folder: Path, timeout_s: float, nodes: int = 1) -> dict:
     """{name: Observation} of each job, observed as lab4.observe would, all in one torchrun launch, in order.
 
     lab4 is labs/lab4_check.py as a module; jobs is {name: (script, script_args, env)}: script_args(out_dir)
     gives the script's flags, env the checker's own observer settings for that row only ({} for
-    lab 4's, as lab4.observe's env); timeout_s bounds the whole launch.
+    lab 4's, as lab4.observe's env); timeout_s bounds the whole launch; nodes: the launch runs as
+    that many nodes on this host, as lab4.observe(nodes=...) does (lab4.run_job).
     """
     out_dirs = {name: folder / f"{name}-observed" for name in jobs}
     rows = [{"name": name, "out_dir": str(out_dirs[name]), "script": str(script), "args": [str(a) for a in script_args(out_dirs[name])],
@@ -61,7 +62,7 @@ def observe_in_one_launch(lab4, jobs: dict, folder: Path, timeout_s: float) -> d
     rows_file.write_text(json.dumps(rows, indent=1))
     # lab4.observe's environment for every row: GPUs hidden, collectives rescued, the digits from a file.
     env = {"CUDA_VISIBLE_DEVICES": "", "LAB4_OBSERVE_RESCUE": "1", "LAB4_OBSERVE_DIGITS": str(lab4.save_digits(folder / "digits.pt"))}
-    launch = run_torchrun(Path(__file__).resolve(), [rows_file], nproc=lab4.WORLD_SIZE, timeout_s=timeout_s, env=env)
+    launch = lab4.run_job(Path(__file__).resolve(), [rows_file], nodes, timeout_s, env)
     return {name: row_observation(lab4, launch, out_dir, timeout_s) for name, out_dir in out_dirs.items()}
 
 
