@@ -199,6 +199,51 @@ def observe(script: Path, out_dir: Path, rescue: bool = True, script_args=None, 
     return observation
 
 
+def observe_runs(runs: list[dict], folder: Path, timeout_s: float, nodes: int = 1, env=None) -> dict:
+    """{name: Observation} of several runs observed one after another in ONE launch (the observer's --runs).
+
+    runs: [{"name", "out_dir", "script", "args", "env" (the run's own LAB4_OBSERVE_* settings),
+    "copy" (optional [[source, target]], done before the run)}]; each Observation is what observe()
+    would have given for that run alone: its own output and exit status, read from its out_dir.
+    """
+    runs_file = folder / "runs.json"
+    runs_file.write_text(json.dumps([{**run, "out_dir": str(run["out_dir"]), "script": str(run["script"]), "args": [str(a) for a in run["args"]]}
+                                     for run in runs], indent=1))  # fmt: skip
+    env = {"CUDA_VISIBLE_DEVICES": "", "LAB4_OBSERVE_RESCUE": "1", "LAB4_OBSERVE_DIGITS": str(save_digits(folder / "digits.pt")), **(env or {})}
+    launch = run_job(OBSERVER, ["--runs", runs_file], nodes, timeout_s, env)
+    return {run["name"]: run_observation(launch, Path(run["out_dir"]), timeout_s) for run in runs}
+
+
+def run_observation(launch: RunResult, out_dir: Path, timeout_s: float) -> Observation:
+    """One run's Observation from a --runs launch: its own output and exit status, as if it had had a launch of its own."""
+    ranks = range(WORLD_SIZE)
+    statuses = [json.loads(path.read_text()) if (path := out_dir / f"status-r{rank}.json").exists() else None for rank in ranks]
+    reached = all(statuses)
+    skipped = next((s["skipped"] for s in statuses if s and s.get("skipped")), None)
+    status = next((s["status"] for s in statuses if s and s["status"]), 0) if reached else launch.returncode
+
+    def read(stream):  # every rank's, as torchrun would have collected them
+        return "".join(path.read_text() for rank in ranks if (path := out_dir / f"{stream}-r{rank}.txt").exists())
+
+    if skipped:
+        why = f"RuntimeError: this run was skipped: {skipped}\n"
+    elif not reached:
+        why = f"RuntimeError: this run did not finish (an earlier run failed?)\n{launch.stderr}"
+    else:
+        why = ""
+    run = RunResult(
+        command=[*launch.command, f"(run {out_dir.name})"], returncode=1 if skipped else status, stdout=read("stdout"),
+        stderr=read("stderr") + why, wall_s=max(s["wall_s"] for s in statuses) if reached else launch.wall_s,
+        timed_out=launch.timed_out and not reached,
+    )  # fmt: skip
+    observation = Observation(run, out_dir, timeout_s=timeout_s)
+    for rank in ranks:
+        path = out_dir / f"events-r{rank}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        observation.events[rank] = [event for event in map(parse_event, lines) if event is not None]
+    return observation
+
+
 def parse_event(line: str) -> dict | None:
     try:
         return json.loads(line)

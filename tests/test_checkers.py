@@ -47,9 +47,8 @@ test_observed_ranks_read_the_same_digits proves the tensors equal).
 """
 
 import ast
-import contextlib
-import io
 import re
+import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -65,59 +64,95 @@ LAB4_CHECKER = REPO_ROOT / "labs" / "lab4_check.py"
 CONVERT_CHECKER = REPO_ROOT / "labs" / "lab3_convert_check.py"
 CONVERT_SOLUTION = REPO_ROOT / "solutions" / "my_ddp.py"
 TRAIN_SINGLE = REPO_ROOT / "labs" / "train_single.py"
+TRAIN_REALISTIC = REPO_ROOT / "labs" / "train_realistic.py"
 # The launching side of tests/scripts/observe_rows.py
 observe_rows = import_script(REPO_ROOT / "tests" / "scripts" / "observe_rows.py")
 
 # --- lab 3's conversion checker: what it must find ----------------------------------------------------
 # Each mistake: (the check it must fail, the edits that put it into the solution: (old text, new text)).
+# One per check (13), and two more spellings of a mistake (scheduler-per-micro-batch, no-map-location),
+# each a small edit of solutions/my_ddp.py. (A third, every rank printing, is made from the solution's
+# run without a launch: test_printed_loss_from_every_rank_fails.)
 MISTAKES = {
-    "no-sampler": (1, [  # the DataLoader shuffles the whole training set on every rank
-        ("batch_size=args.batch_size, sampler=sampler)", "batch_size=args.batch_size, shuffle=True)"),
-    ]),
     "local-rank-sampler": (1, [  # the sampler's rank is the process's index on its machine: 0 on both nodes
         ("num_replicas=world_size, rank=rank, shuffle=True", 'num_replicas=world_size, rank=int(os.environ["LOCAL_RANK"]), shuffle=True'),
     ]),
     "no-set-epoch": (2, [  # the sampler never learns the epoch: every epoch repeats epoch 0's order
         ("        sampler.set_epoch(epoch)  # DDP: a new permutation every epoch, the same on every rank\n", ""),
     ]),
-    "unequal-start": (3, [  # no DDP: a seed per rank and gradients averaged by hand; nothing broadcasts the weights
-        ("torch.manual_seed(args.seed)  #", "torch.manual_seed(args.seed + rank)  #"),
-        ('ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)', "ddp_model = model"),
-        ("            loss.backward()  # DDP all-reduces here: every rank now holds the gradient averaged over ranks\n",
-         "            loss.backward()\n            for parameter in model.parameters():  # average the gradients by hand\n"
-         "                dist.all_reduce(parameter.grad)\n                parameter.grad /= world_size\n"),
-        ("ddp_model.module.state_dict()", "ddp_model.state_dict()"),
+    "unequal-start": (3, [  # a seed per rank before the model is built, and DDP told not to broadcast rank 0's weights
+        ("    torch.manual_seed(args.seed)  #", "    torch.manual_seed(args.seed + rank)  #"),
+        ('ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)',
+         'ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, init_sync=False)'),
     ]),
     "loss-over-world-size": (4, [  # DDP averages, and the loss is divided by the world size on top
-        ("            loss.backward()  #", "            (loss / world_size).backward()  #"),
+        ("(loss / args.accumulation).backward()", "(loss / (args.accumulation * world_size)).backward()"),
     ]),
     "save-on-every-rank": (5, [
-        ("    if rank == 0 and args.save:", "    if args.save:"),
+        ("        if args.save and rank == 0:\n            # DDP: one writer", "        if args.save:\n            # DDP: one writer"),
     ]),
     "rank0-metrics": (6, [  # the held-out counts are not summed over ranks: rank 0 prints its slice's accuracy
         ("        dist.all_reduce(counts)  # DDP: each rank scored its slice; the job's accuracy counts them all\n", ""),
     ]),
-    "barrier-on-rank-0": (7, [  # the barrier indented into rank 0's block: rank 0 waits for a peer that has left
-        ("        torch.save(ddp_model.module.state_dict(), args.save)\n    dist.barrier()",
-         "        torch.save(ddp_model.module.state_dict(), args.save)\n        dist.barrier()"),
+    "barrier-on-rank-0": (7, [  # the barrier indented into rank 0's block: rank 0 waits for a peer that went on
+        ("            torch.save(checkpoint, args.save)\n        dist.barrier()", "            torch.save(checkpoint, args.save)\n            dist.barrier()"),
+    ]),
+    "clip-every-micro-batch": (8, [  # clipping moved into the micro-batch loop: it clips rank-local partial sums
+        ("            if not last_of_step:\n                continue\n            clip_grad_norm_(ddp_model.parameters(), args.clip_norm)",
+         "            clip_grad_norm_(ddp_model.parameters(), args.clip_norm)\n            if not last_of_step:\n                continue"),
+    ]),
+    "schedule-over-the-whole-set": (9, [  # the one-process script's epoch length kept: the whole set at the per-process batch
+        ("steps_per_epoch = math.ceil(len(train_loader) / args.accumulation)",
+         "steps_per_epoch = math.ceil(len(digits.train) / (args.batch_size * args.accumulation))"),
+    ]),
+    "scheduler-per-micro-batch": (9, [  # the scheduler stepped with every micro-batch
+        ("            if not last_of_step:\n                continue\n", "            scheduler.step()\n            if not last_of_step:\n                continue\n"),
+        ("            optimizer.step()\n            scheduler.step()\n", "            optimizer.step()\n"),
+    ]),
+    "no-no-sync": (10, [  # every micro-batch's backward all-reduces: the right gradient, K all-reduces per step
+        ("            with nullcontext() if last_of_step else ddp_model.no_sync():", "            with nullcontext():"),
+    ]),
+    "rank0-loss": (11, [  # the loss is not all-reduced: rank 0 prints its own samples' loss
+        ("                dist.all_reduce(running)  # DDP: the job's loss: every rank's samples, summed, then divided\n", ""),
+    ]),
+    "resume-without-scheduler": (12, [  # the schedule starts again from its first step after a resume
+        ("        scheduler.load_state_dict(checkpoint[\"scheduler\"])\n", ""),
+    ]),
+    "no-map-location": (12, [  # on GPUs every rank would load rank 0's cuda:0 tensors onto cuda:0
+        ("torch.load(args.save, map_location=device, weights_only=True)", "torch.load(args.save, weights_only=True)"),
+    ]),
+    "local-batchnorm-at-eval": (13, [  # each rank scores with its own BatchNorm statistics; rank 0 saves its own
+        ("        for buffer in model.buffers():\n            dist.broadcast(buffer, src=0)\n", ""),
     ]),
 }  # fmt: skip
 
 # What lab 3's checker must say about each mistake: the failed check's line matches this (status, then evidence).
 MISTAKE_EVIDENCE = {
-    "no-sampler": r"FAIL +ranks 0 and 1 both trained on sample \d+ in epoch 0 \(1438 of the 1438 training samples were read by both\)",
     "local-rank-sampler": r"FAIL +ranks 0 and 1 both trained on sample \d+ in epoch 0 \(719 of the 1438 training samples were read by both\)",
     "no-set-epoch": r"FAIL +rank 0 read the same 719 samples in the same order in epochs 0 and 1",
     "unequal-start": r"FAIL +before the first optimizer step rank 1's weights differ from rank 0's \(relative difference \d\.\d\d\): the replicas started apart",
-    "loss-over-world-size": r"FAIL +step 1's gradient is 0\.50 x the gradient of the mean loss over the global batch \(2 ranks x 128 samples\)",
+    "loss-over-world-size": r"FAIL +each backward adds 0\.50 x its micro-batch's mean-loss gradient / 3: the step's gradient is 0\.50 x the global batch's",
     "save-on-every-rank": r"FAIL +ranks 0 and 1 each called torch\.save on model\.pt: one file, 2 writers",
-    "rank0-metrics": r"FAIL +the reported accuracy 0\.\d{4} is the saved model's score on the 180 held-out images rank 0 evaluated \(\d+/180\); on all 359 held-out images it scores 0\.\d{4} \(\d+/359\)",
-    "barrier-on-rank-0": r"FAIL +rank 0 called barrier after optimizer step 12 \(epoch 1\); rank 1 finished without making that call .*until their process group's timeout",
+    "rank0-metrics": r"FAIL +the last printed accuracy 0\.\d{4} is the saved model's score on the 180 held-out images rank 0 evaluated \(\d+/180\); on all 359 held-out images it scores 0\.\d{4} \(\d+/359\)",
+    "barrier-on-rank-0": r"FAIL +rank 0 called barrier after optimizer step 5 \(epoch 0\); rank 1 went on training without making that call .*until their process group's timeout",
+    "clip-every-micro-batch": r"FAIL +rank 0 called clip_grad_norm_ 3 times in step 1, the first after backward 1 of 3: it clipped a gradient not yet averaged over ranks",
+    "schedule-over-the-whole-set": r"FAIL +rank 0's learning rate at optimizer step 5 is 3\.966e-03, one process's is 3\.802e-03",
+    "scheduler-per-micro-batch": r"FAIL +rank 0's learning rate at optimizer step 1 is 4\.000e-03, one process's is 1\.333e-03",
+    "no-no-sync": r"FAIL +in optimizer step 1 rank 0 ran 3 backward passes that all-reduce \(of 3 micro-batches\): 3 all-reduces for one optimizer step",
+    "rank0-loss": r"FAIL +the loss printed at step 2, \d\.\d{4}, is rank 0's own samples' mean; over every rank's samples since the last line it is \d\.\d{4}",
+    "resume-without-scheduler": r"FAIL +resumed after epoch 1, the run ends on other weights than the run that went straight through",
+    "no-map-location": r"FAIL +rank 0 loaded the checkpoint without map_location",
+    "local-batchnorm-at-eval": r"FAIL +in held-out pass 0 rank 1 scored with other BatchNorm statistics than rank 0, which are the ones rank 0 saves",
 }  # fmt: skip
 # Checks that a mistake leaves undecidable, with the reason the checker must give instead of a guess.
 BLOCKED_BY = {
-    "unequal-start": {6: "BLOCKED the ranks ended with different weights (check 3): no one model's accuracy is the job's"},
+    "unequal-start": {
+        6: "BLOCKED the ranks' weights differ (check 3): no one model's accuracy is the job's",
+        12: "BLOCKED the first run's replicas differ (check 3): a resume from rank 0's file cannot follow them",
+    },
+    "local-batchnorm-at-eval": {6: "BLOCKED the ranks scored with different BatchNorm statistics (check 13): no one model's accuracy is the job's"},
 }
+CONVERT_CHECKS = range(1, 14)
 
 # --- lab 4's broken-DDP checker: what it must find -----------------------------------------------------
 # The seven planted bugs, each as the edit that puts it back into the solution: (old text, new text).
@@ -173,7 +208,7 @@ BUG_EVIDENCE = {
 }  # fmt: skip
 
 # A check's line in either checker's output: number, name, status, evidence (and " -- hint: ..." on a FAIL).
-LINE = re.compile(r"^(\d) (\S+) +(PASS|FAIL|BLOCKED) +(.*)$")
+LINE = re.compile(r"^ ?(\d{1,2}) (\S+) +(PASS|FAIL|BLOCKED) +(.*)$")
 
 # --- time limits ----------------------------------------------------------------------------------------
 # Measured in this file's own pool (see `jobs`), alone on 2 cores, 27 Nov 2026 10:34-10:44 UTC.
@@ -188,9 +223,12 @@ UNRESCUED_JOB_LIMIT_S = 90
 # The one launch of the 15 rows (each 2 epochs, after one start-up): 36-41 s (42 s with
 # ATEN_CPU_CAPABILITY=default) on one node. With 17 rows on two one-process nodes the limit grew
 # from 120 s to 150 s, in proportion to the rows. A hung row is killed at this limit.
-ROWS_TIMEOUT_S = 150
-# `python labs/lab4_check.py` on the exercise: 16-18 s; its job has the checker's own limit (60 s).
-BROKEN_COMMAND_TIMEOUT_S = 150
+ROWS_TIMEOUT_S = 600
+# `python labs/lab4_check.py --job-timeout-s 120` on the exercise: 16-18 s alone on 2 quiet cores. It runs
+# beside the rows launch, which now takes minutes on a loaded machine; the checker's default limit (60 s)
+# killed it once at a load average of 11 (91 s), so it gets the limit a slow machine is told to use.
+BROKEN_JOB_LIMIT_S = 120
+BROKEN_COMMAND_TIMEOUT_S = 200
 # The minimal hang: 5-7 s.
 MINIMAL_HANG_TIMEOUT_S = 120
 # Lab 3's checker's main() on its solution keeps the checker's own limit (JOB_TIMEOUT_S, 120 s): its job took 18-21 s.
@@ -227,8 +265,9 @@ def code_without_docstring(source: str) -> str:
     return "".join(source.splitlines(keepends=True)[docstring.end_lineno :])
 
 
-def verdict_lines(output: str) -> dict[int, str]:
-    """{check number: 'STATUS evidence'} from a checker's output: every check once, a hint on every FAIL."""
+def verdict_lines(output: str, numbers=range(1, 8)) -> dict[int, str]:
+    """{check number: 'STATUS evidence'} from a checker's output: every check once, a hint on every FAIL
+    (numbers: lab 4's seven by default; lab 3's are CONVERT_CHECKS)."""
     found = {}
     for line in output.splitlines():
         match = LINE.match(line)
@@ -237,7 +276,7 @@ def verdict_lines(output: str) -> dict[int, str]:
             evidence, _, hint = text.partition(" -- hint: ")
             assert number not in found and bool(hint) == (status == "FAIL"), line
             found[number] = f"{status} {evidence}"
-    assert sorted(found) == list(range(1, 8)), output
+    assert sorted(found) == list(numbers), output
     return found
 
 
@@ -282,13 +321,25 @@ def observe_rows_of_both_checkers(checker, convert_checker, folder) -> dict:
         script.parent.mkdir()
         script.write_text(with_edits(LAB4_SOLUTION.read_text(), [edit]))
         rows[name] = (script, checker.default_script_args, {})
+    rows.update(conversion_rows(convert_checker, "lab3-solution", CONVERT_SOLUTION))
     for name, (_, edits) in MISTAKES.items():
         script = folder / name / "my_ddp.py"
         script.parent.mkdir()
         script.write_text(with_edits(CONVERT_SOLUTION.read_text(), edits))
-        rows[name] = (script, convert_checker.script_args, convert_checker.OBSERVER_ENV)
+        rows.update(conversion_rows(convert_checker, name, script))
     rows["lab4-solution"] = (LAB4_SOLUTION, checker.default_script_args, {})
     return observe_rows.observe_in_one_launch(checker, rows, folder, ROWS_TIMEOUT_S, nodes=convert_checker.NODES)
+
+
+def conversion_rows(convert_checker, name: str, script) -> dict:
+    """The two rows of one conversion: straight, then resumed from a copy of its checkpoint of epoch 1 (as the checker's runs)."""
+    return {
+        name: (script, convert_checker.script_args, convert_checker.OBSERVER_ENV),
+        f"{name}-resumed": (
+            script, convert_checker.resumed_args, convert_checker.OBSERVER_ENV,
+            lambda out_dirs: [(convert_checker.first_checkpoint(out_dirs[name]), out_dirs[f"{name}-resumed"] / "model.pt")],
+        ),
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -308,13 +359,6 @@ def jobs(checker, convert_checker, tmp_path_factory):
         (folder / "observed").mkdir()
         observation, verdicts = checker.check(script, folder / "observed", **options)
         return observation, "\n".join(verdict.line() for verdict in verdicts)
-
-    def convert_command_line():
-        """The learner's command, `python labs/lab3_convert_check.py solutions/my_ddp.py`, run by its main() here."""
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):  # sys.stdout of the whole process: see below
-            status = convert_checker.main([str(CONVERT_SOLUTION)])
-        return printed.getvalue(), verdict_lines(printed.getvalue()), status
 
     minimal = REPO_ROOT / "labs" / "lab4_minimal_hang.py"
     detail = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
@@ -336,13 +380,9 @@ def jobs(checker, convert_checker, tmp_path_factory):
             "hung": waiting.submit(check, folder["hung"], make_source=hung_solution, job_timeout_s=HUNG_JOB_LIMIT_S),
             "unrescued": waiting.submit(check, folder["unrescued"], BROKEN, rescue=False, job_timeout_s=UNRESCUED_JOB_LIMIT_S),
             "rows": busy.submit(observe_rows_of_both_checkers, checker, convert_checker, folder["rows"]),
-            "convert": busy.submit(convert_command_line),
-            "broken": busy.submit(run_command, [sys.executable, str(LAB4_CHECKER)], timeout_s=BROKEN_COMMAND_TIMEOUT_S),
+            "broken": busy.submit(run_command, [sys.executable, str(LAB4_CHECKER), "--job-timeout-s", str(BROKEN_JOB_LIMIT_S)], timeout_s=BROKEN_COMMAND_TIMEOUT_S),
             "minimal": busy.submit(run_torchrun, minimal, [], nproc=2, timeout_s=MINIMAL_HANG_TIMEOUT_S, env=detail),
         }
-        # convert_command_line() swaps sys.stdout for the whole process, and so does pytest's capturing
-        # between test phases: the fixture returns only after it has finished (no other job prints here).
-        futures["convert"].exception()
         yield futures  # leaving the block waits for every job, also when a test failed
 
 
@@ -359,23 +399,59 @@ def judged_row(judge, jobs, name) -> tuple[object, dict[int, str], list]:
     return observation, verdict_lines("\n".join(verdict.line() for verdict in verdicts)), verdicts
 
 
+def judged_conversion(convert_checker, jobs, name) -> tuple[object, object, dict[int, str]]:
+    """(straight run, resumed run, {check: 'STATUS evidence'}) of a lab 3 mistake's two rows, judged as the checker judges its job."""
+    rows = jobs["rows"].result()
+    straight, resumed = rows[name], rows[f"{name}-resumed"]
+    verdicts = convert_checker.judge(straight, resumed)
+    return straight, resumed, verdict_lines("\n".join(verdict.line() for verdict in verdicts), CONVERT_CHECKS)
+
+
 # --- lab 3's conversion checker -------------------------------------------------------------------------
-@pytest.mark.timeout(300)  # the first test to read `jobs` starts them; it and the others wait for their own job
-def test_my_ddp_solution_passes_all_seven_checks(jobs):
-    """The learner's command on the solution: the checker's main(), run in this process by `jobs`."""
-    output, verdicts, status = jobs["convert"].result()
+@pytest.mark.timeout(700)  # the first test to read `jobs` starts them; it and the others wait for their own job
+def test_my_ddp_solution_passes_all_thirteen_checks(convert_checker, jobs, monkeypatch, capsys):
+    """The learner's command on the solution, `python labs/lab3_convert_check.py solutions/my_ddp.py`: its
+    main() in this process, on the solution's two rows (observe() would have launched the same two runs
+    alone: the rows launch runs them with the same functions, lab4.observe_runs and lab4.run_job)."""
+    rows = jobs["rows"].result()
+
+    def check(script, out_dir):
+        assert script == CONVERT_SOLUTION.resolve()
+        straight, resumed = rows["lab3-solution"], rows["lab3-solution-resumed"]
+        return (straight, resumed), convert_checker.judge(straight, resumed)
+
+    monkeypatch.setattr(convert_checker, "check", check)
+    status = convert_checker.main([str(CONVERT_SOLUTION)])
+    output = capsys.readouterr().out
+    verdicts = verdict_lines(output, CONVERT_CHECKS)
     assert status == 0, output
-    assert "the job finished" in output
+    assert "the first run finished; the resumed run finished" in output
     assert all(line.startswith("PASS ") for line in verdicts.values()), output
-    assert "in epoch 0 the ranks read disjoint shares (719, 719 samples) covering all 1438" in verdicts[1]
-    assert "both ranks held the same weights before each of their 12 optimizer steps" in verdicts[3]
-    assert verdicts[4] == (
-        "PASS the gradient of each of the first 3 steps is the global batch's mean-loss gradient (2 ranks x 128 samples), "
-        "and after 3 steps the weights equal those of one process trained on the same global batches"
-    )
-    assert verdicts[5].startswith("PASS rank 0 alone wrote it; it loads into a bare DigitsCNN (strict)"), verdicts[5]
-    assert re.fullmatch(r"PASS the reported accuracy 0\.\d{4} is the saved model's on all 359 held-out images \(\d+/359\)", verdicts[6])
-    assert "result: 7 passed, 0 failed, 0 blocked of 7 checks" in output
+    assert "in each of the 2 epochs the ranks read disjoint shares (719, 719 samples) covering all 1438" in verdicts[1]
+    assert "both ranks held the same weights before each of their 10 optimizer steps" in verdicts[3]
+    assert verdicts[4].endswith("after 3 steps the weights equal one process's on the same global batches (AdamW, schedule and clipping replayed)")
+    assert verdicts[5].startswith("PASS rank 0 alone wrote it; its 'model' loads into a bare DigitsNet (strict)"), verdicts[5]
+    assert re.fullmatch(r"PASS the last printed accuracy 0\.\d{4} is the saved model's on all 359 held-out images \(\d+/359\)", verdicts[6])
+    assert re.search(r"each of the 10 optimizer steps clipped once.*step 1: (\d\.\d{4}), one process's global gradient: \1\)", verdicts[8]), verdicts[8]
+    assert "10 all-reduces for 10 optimizer steps (30 micro-batches per rank)" in verdicts[10]
+    assert verdicts[11].startswith("PASS rank 0 alone printed the loss, 5 times"), verdicts[11]
+    assert verdicts[12].startswith("PASS every rank loaded rank 0's checkpoint of epoch 1 (with map_location), and the resumed run ended on the straight run's weights")
+    assert "result: 13 passed, 0 failed, 0 blocked of 13 checks" in output
+
+
+@pytest.mark.timeout(700)
+def test_printed_loss_from_every_rank_fails(convert_checker, jobs, tmp_path):
+    """A spelling made without a launch: the solution's run, as if rank 1 had printed rank 0's lines too."""
+    rows = jobs["rows"].result()
+    original, straight = rows["lab3-solution"].out_dir, tmp_path / "every-rank-prints"
+    shutil.copytree(original, straight)
+    for events in straight.glob("events-r*.jsonl"):  # the files it saved, where the copy has them
+        events.write_text(events.read_text().replace(str(original.resolve()), str(straight.resolve())))
+    (straight / "stdout-r1.txt").write_text((straight / "stdout-r0.txt").read_text())
+    observation = convert_checker.lab4.run_observation(rows["lab3-solution"].run, straight, convert_checker.JOB_TIMEOUT_S)
+    verdicts = verdict_lines("\n".join(v.line() for v in convert_checker.judge(observation, rows["lab3-solution-resumed"])), CONVERT_CHECKS)
+    assert verdicts[11].startswith("FAIL ranks 0 and 1 each printed 5 loss lines: one line per job, from one rank"), verdicts[11]
+    assert all(line.startswith("PASS ") for number, line in verdicts.items() if number != 11), verdicts
 
 
 @pytest.mark.parametrize(
@@ -383,8 +459,10 @@ def test_my_ddp_solution_passes_all_seven_checks(jobs):
     [
         (CONVERT_CHECKER, ["no_such_script.py"], "lab3_convert_check.py: error: no such script: no_such_script.py"),
         (CONVERT_CHECKER, ["--verbose"], "lab3_convert_check.py: error: unrecognized arguments: --verbose"),
+        (TRAIN_REALISTIC, ["--epochs", "0"], "train_realistic.py: error: argument --epochs: must be a positive integer, got 0"),
+        (TRAIN_REALISTIC, ["--save", "no/such/folder/model.pt"], "train_realistic.py: error: --save: the folder of no/such/folder/model.pt does not exist"),
+        (TRAIN_REALISTIC, ["--resume"], "train_realistic.py: error: --resume needs an existing checkpoint at --save"),
         (TRAIN_SINGLE, ["--epochs", "0"], "train_single.py: error: argument --epochs: must be a positive integer, got 0"),
-        (TRAIN_SINGLE, ["--save", "no/such/folder/model.pt"], "train_single.py: error: --save: the folder of no/such/folder/model.pt does not exist"),
         (CONVERT_SOLUTION, [], "my_ddp.py: error: launch me with torchrun, e.g. torchrun --standalone --nproc_per_node=2 solutions/my_ddp.py"),
         (CONVERT_SOLUTION, ["--batch-size", "many"], "my_ddp.py: error: argument --batch-size: must be an integer, got 'many'"),
     ],
@@ -410,39 +488,44 @@ def test_the_default_script_says_how_to_start(convert_checker, monkeypatch, caps
     assert stopped.value.code == 2
     assert capsys.readouterr().err.strip() == (
         "lab3_convert_check.py: error: no such script: labs/my_ddp.py "
-        "(start with: cp labs/train_single.py labs/my_ddp.py, then make it a DDP script)"
+        "(start with: cp labs/train_realistic.py labs/my_ddp.py, then make it a DDP script)"
     )
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(700)
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_each_mistake_fails_its_own_check_and_no_other(convert_checker, jobs, mistake):
-    """A row of its own for each mistake, with lab 3's settings (see observe_rows_of_both_checkers)."""
-    observation, verdicts, _ = judged_row(convert_checker.judge, jobs, mistake)
-    run = observation.run
+    """Two rows of their own for each mistake, straight and resumed, with lab 3's settings (see observe_rows_of_both_checkers)."""
+    straight, resumed, verdicts = judged_conversion(convert_checker, jobs, mistake)
     number = MISTAKES[mistake][0]
-    assert run.ok, run.describe()  # even the job whose barrier goes unmatched: the observer skips that call
+    assert straight.run.ok, straight.run.describe()  # even the job whose barrier goes unmatched: the observer skips that call
     assert re.match(MISTAKE_EVIDENCE[mistake], verdicts[number]), verdicts[number]
     blocked = BLOCKED_BY.get(mistake, {})
     for other, line in verdicts.items():
         if other in blocked:
             assert line == blocked[other], line
         elif other != number:
-            assert line.startswith("PASS "), (other, line, run.describe())
+            assert line.startswith("PASS "), (other, line, straight.run.describe(), resumed.run.describe())
 
 
-@pytest.mark.timeout(300)
+def test_there_is_a_planted_mistake_for_every_check(convert_checker):
+    assert sorted({number for number, _ in MISTAKES.values()}) == list(CONVERT_CHECKS) == sorted(convert_checker.CHECKS)
+    assert len(MISTAKES) >= 12
+
+
+@pytest.mark.timeout(700)
 def test_each_row_runs_with_its_own_checkers_observer_settings(checker, convert_checker, jobs):
-    """Lab 3's rows record the gradients of every step (its OBSERVER_ENV), lab 4's only the first
+    """Lab 3's rows record the details of every step (its OBSERVER_ENV), lab 4's only the first
     GRADIENT_STEPS: a row's env applies to that row alone, also to lab 4's solution after lab 3's rows."""
     observer = import_script(REPO_ROOT / "labs" / "lab4_observe.py")
     lab3_steps = int(convert_checker.OBSERVER_ENV["LAB4_OBSERVE_STEPS"])
     for name, observation in jobs["rows"].result().items():
         assert observation.run.ok, observation.run.describe()
+        lab3 = str(name).removesuffix("-resumed") in [*MISTAKES, "lab3-solution"]
         for rank in range(checker.WORLD_SIZE):
             steps = sum(event["kind"] == "step" for event in observation.events[rank])
             recorded = len(list(observation.out_dir.glob(f"step-r{rank}-*.pt")))
-            limit = lab3_steps if name in MISTAKES else observer.GRADIENT_STEPS
+            limit = lab3_steps if lab3 else observer.GRADIENT_STEPS
             assert steps > observer.GRADIENT_STEPS and recorded == min(steps, limit), (name, rank, steps, recorded)
 
 
@@ -491,7 +574,7 @@ def test_bad_command_lines_fail_with_one_line(script, args, expected, monkeypatc
     assert re.match(expected, printed.err.strip()) and len(printed.err.strip().splitlines()) == 1, printed
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(700)
 def test_when_the_hang_kills_the_job_later_checks_are_blocked_not_guessed(jobs):
     """Unrescued, the broken job hangs at the end of epoch 0 and dies at --timeout-s."""
     observation, verdicts = checked(jobs, "unrescued")
@@ -513,7 +596,7 @@ def test_when_the_hang_kills_the_job_later_checks_are_blocked_not_guessed(jobs):
     assert re.fullmatch(f"BLOCKED no --metrics-json: {died} before writing it", verdicts[6]), verdicts[6]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(700)
 def test_checker_fails_the_broken_script_with_evidence(jobs):
     broken_check = jobs["broken"].result()
     assert broken_check.returncode == 1, broken_check.describe()
@@ -527,7 +610,7 @@ def test_checker_fails_the_broken_script_with_evidence(jobs):
     assert "result: 1 passed, 6 failed, 0 blocked of 7 checks" in broken_check.stdout
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(700)
 def test_lab4_solution_passes_all_seven_checks(checker, jobs):
     """Its row (the last), judged and summed up by the functions behind the checker's output and exit status."""
     observation, lines, verdicts = judged_row(checker.judge, jobs, "lab4-solution")
@@ -538,7 +621,7 @@ def test_lab4_solution_passes_all_seven_checks(checker, jobs):
     assert checker.summary(verdicts) == ("result: 7 passed, 0 failed, 0 blocked of 7 checks", 0)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(700)
 @pytest.mark.parametrize("bug", [*sorted(BUGS), *SPELLINGS])
 def test_each_bug_alone_fails_its_check_and_only_it(checker, jobs, bug):
     """A row of its own for each bug, and for each other spelling of one: the solution with that one
@@ -551,7 +634,7 @@ def test_each_bug_alone_fails_its_check_and_only_it(checker, jobs, bug):
     assert all(line.startswith("PASS ") for line in others.values()), others
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(700)
 def test_detail_mode_names_each_ranks_collective_in_the_minimal_hang(jobs):
     """The sheet's reproduction: with DETAIL both ranks stop at once, each naming its own collective."""
     result = jobs["minimal"].result()
@@ -564,7 +647,7 @@ def test_detail_mode_names_each_ranks_collective_in_the_minimal_hang(jobs):
     assert sorted(own_collective.findall(result.stdout)) == [("0", "ALLREDUCE"), ("1", "BARRIER")], result.stdout
 
 
-@pytest.mark.timeout(300)  # the file's last test: its job ends last, killed at HUNG_JOB_LIMIT_S
+@pytest.mark.timeout(700)  # the file's last test: its job ends last, killed at HUNG_JOB_LIMIT_S
 def test_a_job_that_hangs_is_killed_and_reported(checker, jobs):
     """A hang outside any collective: the checker kills the job at the limit it was given and says so."""
     observation, verdicts = checked(jobs, "hung")
