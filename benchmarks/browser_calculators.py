@@ -5,7 +5,7 @@
 
 The tests move each calculator's sliders by setting `.value` in the kernel (tests/test_calculators.py and
 the lecture tests); this checks the other half, the browser: it writes a notebook that builds the four
-calculators exactly as the lectures do (lecture 1's communication bars, lecture 5's memory and step time,
+calculators exactly as the lectures do (lecture 1's communication bars, lecture 5a's step time and 5b's memory,
 lecture 6's waste curve), starts JupyterLab on it, opens it in headless Chromium, runs every cell, then
 presses the Right arrow 5 times on the first slider of each calculator. A calculator passes when both
 its slider's readout and its drawing (the image and the text under it) change. One line per calculator;
@@ -26,8 +26,8 @@ from pathlib import Path
 CELLS = {
     "lecture 1 communication": "from ddp_course.lecture01_checks import communication_calculator\n"
     "communication_calculator(millions_of_parameters=124.4, world_size=8)",
-    "lecture 5 memory": "from ddp_course.calculators import memory_calculator\nmemory_calculator()",
-    "lecture 5 step time": "from ddp_course.calculators import step_time_calculator\nstep_time_calculator()",
+    "lecture 5b memory": "from ddp_course.calculators import memory_calculator\nmemory_calculator()",
+    "lecture 5a step time": "from ddp_course.calculators import step_time_calculator\nstep_time_calculator()",
     "lecture 6 waste": "from ddp_course.lecture06_checks import waste_calculator\n"
     "waste_calculator(checkpoint_s=60, mtbf_h=24, restart_s=300)",
 }

@@ -2,13 +2,13 @@
 
     python benchmarks/gpu_smoke.py [--only lab1,lab3] [--keep DIR]
 
-Run it first on any GPU machine, before teaching from it. The labs and lecture 5's job run under
+Run it first on any GPU machine, before teaching from it. The labs and lectures 5a-5b's job run under
 `torchrun --standalone --nproc_per_node=<GPU count> ... --backend nccl` with a timeout, at small
 sizes; lab 5's sweep driver runs with plain python, as the learner runs it. Two lecture scripts
 are CPU-only by design and start gloo even where GPUs are visible (lecture 4's demos and lecture
 6's faults demos): they run here on 2 gloo ranks, without --backend, with the GPUs visible, as a
 learner's command would - exactly the case that once crashed lecture 4's script (review finding
-1). Lecture 5's job runs on NCCL, one rank per GPU, like the labs.
+1). Lectures 5a-5b's job runs on NCCL, one rank per GPU, like the labs.
 
 The script prints one line per row - PASS or FAIL, wall time, the key figure (lab 1: bus bandwidth
 at the largest message; lab 2: checks passed; lab 3: held-out accuracy; lab 4: the solution's
@@ -152,7 +152,7 @@ def lecture4_figure(out: Path) -> str:
 
 
 def lecture5_figure(out: Path) -> str:
-    """Lecture 5's job wrote every part, and the fp16 hook sent half of the plain all-reduce's bytes."""
+    """Lectures 5a-5b's job wrote every part, and the fp16 hook sent half of the plain all-reduce's bytes."""
     perf = read_json(out / "perf.json")
     missing = [part for part in LECTURE5_PARTS if part not in perf]
     if missing:

@@ -1,9 +1,9 @@
-"""Record lecture 5's reference run: the measurements too long for the notebook's 30 seconds.
+"""Record lecture 5a's reference run: the measurements too long for the notebook's 30 seconds.
 
     flock /tmp/ddp_heavy.lock python benchmarks/lecture5_reference.py
 
 (a few minutes on a 2-vCPU machine; run it on an otherwise idle machine, then re-execute the lecture:
-`python -m ddp_course.notebooks lectures/05_scaling_performance.ipynb`.) It launches
+`python -m ddp_course.notebooks lectures/05a_step_time.ipynb`.) It launches
 lectures/scripts/perf_ddp_job.py twice under torchrun with 2 CPU ranks (gloo, one thread each):
 
 1. --parts profile,buckets,hooks on lab 5's comm_bound configuration: 5 profiled steps, lab 5's

@@ -15,7 +15,11 @@ Only the boring parts live here; each lab keeps inline the DDP lines it teaches.
     resume       ResumableDistributedSampler: start an epoch at a count of samples consumed, on any
                  world size; RESTART_SAFE_ENV for torchrun restarts
     multinode    several torchrun agents on one machine (c10d rendezvous on 127.0.0.1, a free port);
-                 losing one, as a node is lost
+                 losing one, as a node is lost; one line naming why a multi-node launch failed
+    netns        two hosts on one Linux machine: network namespaces with their own address, hostname,
+                 /etc/hosts and firewall (root)
+    slurm_cluster  a real two-node SLURM cluster on those hosts (Debian's Slurm 22.05, munge)
+    cluster_runs lab 3 across the two hosts by hand and with sbatch, the classic failures, their facts
     faults       name a torch.distributed error's kind in one deterministic line (mismatch, missing
                  rank, timeout, peer gone)
     profiling    profile DDP steps per rank (chrome traces for Perfetto), read the backward span and

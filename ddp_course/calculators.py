@@ -1,4 +1,4 @@
-"""Lecture 5's cost models and the two calculators built on them.
+"""Lectures 5a and 5b's cost models and the two calculators built on them.
 
 The formulas are the lecture's, and the lecture checks each against a measurement: the all-reduce
 and step model against lab 5's reference steps (section 3), the memory terms against measured peaks
@@ -18,7 +18,7 @@ from __future__ import annotations
 import io
 import math
 
-# Assumptions with sources (lecture 5, section 3). Replace them with your hardware's.
+# Assumptions with sources (lecture 5a, section 3). Replace them with your hardware's.
 H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak, NVIDIA H100 SXM datasheet
 H100_MEMORY_BYTES = 80e9  # H100 SXM: 80 GB of HBM3
 MFU = 0.40  # assumed model FLOPs utilization of a well-tuned job
@@ -26,7 +26,7 @@ EFFICIENCY_OF_LINKS = 0.8  # assumed share of nominal bandwidth an all-reduce ac
 NVLINK = (1e-6, EFFICIENCY_OF_LINKS * 450e9)  # NVLink 4: 450 GB/s per direction per GPU, ~1 us
 NETWORK_ALPHA_S = 5e-6  # per message across nodes (RDMA)
 BUCKET_BYTES = 25 * 2**20  # DDP's bucket size after its first, small bucket
-BACKWARD_SHARE = 2 / 3  # backward is about twice the forward (lecture 5, section 1)
+BACKWARD_SHARE = 2 / 3  # backward is about twice the forward (lecture 5a, section 1)
 
 # Links between nodes: (Gb/s of one network card, how many GPUs share that card).
 LINKS = {"100 Gb/s per node": (100, "node"), "400 Gb/s per node": (400, "node"), "400 Gb/s per GPU": (400, 1)}
@@ -88,7 +88,7 @@ def step_time(parameters, flops_per_step, gpus_per_node, nodes, link_name="400 G
 
 def memory_breakdown(parameters, batch, activation_bytes_per_sample, optimizer="Adam", amp=False, checkpoint_segments=0,
                      layers=24, zero1_ranks=1, bucket_view=False):
-    """Bytes one DDP rank holds, term by term (lecture 5, section 8; fp32 weights, gradients and state).
+    """Bytes one DDP rank holds, term by term (lecture 5b, section 3; fp32 weights, gradients and state).
 
     activation_bytes_per_sample: what autograd saves for backward per sample in fp32, for `layers`
     equal layers. amp: activations in 16 bits (half) plus a 16-bit copy of the weights autocast casts.

@@ -256,3 +256,50 @@ def import_script(path: str | Path, name: str | None = None):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+class SheetJobs:
+    """The torchrun jobs of a lab sheet: one temporary folder for their files, a few running at once.
+
+    A sheet starts the jobs it needs in its first code cell and reads each one where it teaches from
+    it, so the reader never waits for process start-up (several seconds of torch imports per rank):
+
+        jobs = SheetJobs("lab2_sheet_")                          # jobs.out: a fresh temporary folder
+        two = jobs.start(LAB2, "--json", jobs.out / "two.json")  # returns at once; two.result() waits
+        report = jobs.read_json("two.json")                      # after two.result()
+
+    Jobs beyond `at_once` queue: on a few CPU cores more jobs at once only slow each other down. Every
+    job gets run_torchrun's timeout, so a sheet never hangs; arguments may be paths or numbers.
+    """
+
+    def __init__(self, prefix: str, nproc: int = 2, use_gpus: bool = False, timeout_s: float = 180, at_once: int = 3):
+        import tempfile
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.out = Path(tempfile.mkdtemp(prefix=prefix))  # every file the sheet's jobs write goes here
+        self.nproc, self.use_gpus, self.timeout_s = nproc, use_gpus, timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="sheet_job")
+
+    def start(self, script: str | Path, *args, nproc: int | None = None) -> "Future[RunResult]":
+        """torchrun --standalone --nproc_per_node=nproc script args... in the background; `.result()` waits."""
+        return self._pool.submit(self.run, script, *args, nproc=nproc)
+
+    def run(self, script: str | Path, *args, nproc: int | None = None) -> RunResult:
+        """The same job, now: returns when it has ended (or was killed at the timeout)."""
+        return run_torchrun(script, [str(arg) for arg in args], nproc=nproc or self.nproc, timeout_s=self.timeout_s,
+                            use_gpus=self.use_gpus)
+
+    def start_command(self, *command) -> "Future[RunResult]":
+        """A command that is not a torchrun launch (lab 5's sweep driver, which launches torchrun itself), in
+        the same queue and with the same timeout; `.result()` waits."""
+        return self._pool.submit(run_command, [str(part) for part in command], timeout_s=self.timeout_s, use_gpus=self.use_gpus)
+
+    def read_json(self, name: str):
+        """A JSON file a job wrote into self.out (its --json report, say)."""
+        return json.loads((self.out / name).read_text())
+
+
+def verdict_lines(stdout: str, leave_out: tuple[str, ...] = ()) -> list[str]:
+    """The PASS / FAIL / SKIP lines of a lab's output, in order, without those that mention a leave_out word."""
+    return [line for line in stdout.splitlines()
+            if line[:4] in ("PASS", "FAIL", "SKIP") and not any(word in line for word in leave_out)]

@@ -6,9 +6,10 @@
 
 Each prints "exercise N: correct - ..." when the answer is right, raises AssertionError with the first
 property that fails when it is wrong, and prints "not done yet: ..." while the exercise still raises
-NotImplementedError. The checks price answers with the lecture's alpha-beta model of section 3
-(ring_seconds and tree_seconds below are the lecture's formulas; tests/test_02_collectives_exercises.py
-proves they equal the notebook's own functions).
+NotImplementedError. The checks price answers with the lecture's alpha-beta model of section 3, with
+beta a link's bandwidth in bytes/s (the README's notation): a message of S bytes takes alpha + S/beta
+seconds. ring_seconds and tree_seconds below are the lecture's formulas;
+tests/test_02_collectives_exercises.py proves they equal the notebook's own functions.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 # The lecture's illustrative link: 5 microseconds per message, 25 GB/s per direction.
 ALPHA = 5e-6  # s
-BETA = 1 / 25e9  # s per byte
+BETA = 25e9  # bytes/s
 
 # DigitsCNN's 8 gradient tensors (numel), in float32: what the bucket check prices.
 DIGITS_CNN_TENSOR_BYTES = [4 * numel for numel in (288, 32, 18432, 64, 131072, 128, 1280, 10)]
@@ -28,12 +29,12 @@ DIGITS_CNN_TENSOR_BYTES = [4 * numel for numel in (288, 32, 18432, 64, 131072, 1
 
 def tree_seconds(n_bytes: float, world_size: int, alpha: float, beta: float) -> float:
     """Binomial tree: 2 ceil(log2 N) rounds, each moving the whole message."""
-    return 2 * math.ceil(math.log2(world_size)) * (alpha + n_bytes * beta)
+    return 2 * math.ceil(math.log2(world_size)) * (alpha + n_bytes / beta)
 
 
 def ring_seconds(n_bytes: float, world_size: int, alpha: float, beta: float) -> float:
     """Ring: 2(N-1) steps, each moving one N-th of the message over every link at once."""
-    return 2 * (world_size - 1) * alpha + 2 * (world_size - 1) / world_size * n_bytes * beta
+    return 2 * (world_size - 1) * alpha + 2 * (world_size - 1) / world_size * n_bytes / beta
 
 
 def _reports_unfinished(check):
@@ -93,12 +94,13 @@ def check_exercise_2(make_buckets) -> None:
 @_reports_unfinished
 def check_exercise_3(halving_doubling_seconds) -> None:
     """Cases worked out by hand (one without latency, one without bandwidth), then: never slower than ring or tree."""
-    # (bytes, N, alpha, beta, expected seconds); the derivation is the exercise
-    cases = [(1e6, 8, 5e-6, 1 / 25e9, 100e-6), (64e6, 4, 0.0, 1 / 32e9, 3e-3), (1e3, 1024, 2e-6, 0.0, 40e-6)]
+    # (bytes, N, alpha in s, beta in bytes/s, expected seconds); the derivation is the exercise.
+    # beta = inf: a link with no bandwidth term (S / inf = 0), so only the latency term is left.
+    cases = [(1e6, 8, 5e-6, 25e9, 100e-6), (64e6, 4, 0.0, 32e9, 3e-3), (1e3, 1024, 2e-6, math.inf, 40e-6)]
     for n_bytes, world_size, alpha, beta, expected in cases:
         got = halving_doubling_seconds(n_bytes, world_size, alpha, beta)
         assert math.isclose(got, expected), (f"{n_bytes:g} bytes, N={world_size}, alpha={alpha:g} s, "
-                                             f"beta={beta:g} s/B: expected {expected:g} s, got {got:g} s")
+                                             f"beta={beta:g} B/s: expected {expected:g} s, got {got:g} s")
     assert halving_doubling_seconds(1e6, 1, ALPHA, BETA) == 0.0, "one rank sends nothing"
     for world_size in (2, 4, 8, 16, 64, 1024):
         for n_bytes in (1e3, 1e6, 1e9):

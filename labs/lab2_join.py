@@ -76,7 +76,7 @@ NCCL_NOTE = (
     "which NCCL runs as a one-element all-reduce that can pair with rank 0's gradient all-reduce); after "
     "--timeout-s the NCCL watchdog aborts the processes (SIGABRT, TORCH_NCCL_ASYNC_ERROR_HANDLING) with no "
     "Python error. TORCH_NCCL_BLOCKING_WAIT=1 makes the wait raise in Python instead; "
-    "TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 records which collective each rank was in."
+    "TORCH_FR_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 (the flight recorder) records which collective each rank was in."
 )
 
 

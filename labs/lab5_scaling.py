@@ -68,7 +68,7 @@ CONFIGS = {
     "resnet18": Config("resnet18", (3, 32, 32), 128, "11 M parameters on CIFAR-sized images: the realistic GPU case"),
 }
 # Gradient compression: the hook casts each bucket to 16 bits before the all-reduce (half the bytes)
-# and back afterwards. Both run on gloo too (bf16 checked on torch 2.14.1; lecture 5 section 6).
+# and back afterwards. Both run on gloo too (bf16 checked on torch 2.14.1; lecture 5a section 7).
 COMM_HOOKS = {"none": None, "fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 # DDP's own default is bucket_cap_mb=None, NOT 25: buckets of 25 MiB except the first one (the last
 # gradients of the model), which is capped at 1 MiB so that communication starts early. Passing 25

@@ -126,16 +126,19 @@ def wrong_answers(namespace) -> dict[int, dict]:
         return [[index] for index in range(len(sizes))]
 
     def log_rounds_once(n_bytes, world_size, alpha, beta):  # forgets that the doubling mirrors the halving
-        return 0.0 if world_size == 1 else math.log2(world_size) * alpha + 2 * (world_size - 1) / world_size * n_bytes * beta
+        return 0.0 if world_size == 1 else math.log2(world_size) * alpha + 2 * (world_size - 1) / world_size * n_bytes / beta
 
     def whole_message_per_round(n_bytes, world_size, alpha, beta):  # the tree's bytes, not the halving's
-        return 0.0 if world_size == 1 else 2 * math.log2(world_size) * (alpha + n_bytes / 2 * beta)
+        return 0.0 if world_size == 1 else 2 * math.log2(world_size) * (alpha + n_bytes / 2 / beta)
+
+    def seconds_per_byte(n_bytes, world_size, alpha, beta):  # the right formula, with beta read as seconds per byte
+        return 0.0 if world_size == 1 else 2 * (math.log2(world_size) * alpha + (world_size - 1) / world_size * n_bytes * beta)
 
     return {
         1: {"N-1 rounds": tree_with_ring_rounds, "shared tensor": tree_sharing_one_tensor},
         2: {"one bucket": one_bucket, "one tensor per bucket": closes_early},
         3: {"the ring's cost": ring_seconds, "log N latencies once": log_rounds_once,
-            "half the message every round": whole_message_per_round},
+            "half the message every round": whole_message_per_round, "beta as seconds per byte": seconds_per_byte},
     }
 
 
@@ -167,5 +170,18 @@ def test_the_checks_price_answers_with_the_lectures_own_cost_model():
     assert (lecture02_checks.ALPHA, lecture02_checks.BETA) == (namespace["ALPHA"], namespace["BETA"])
     for name in ("ring_seconds", "tree_seconds"):
         for n_bytes, world_size in [(1e3, 1), (1e6, 2), (25e6, 8), (1e9, 1024)]:
-            ours = getattr(lecture02_checks, name)(n_bytes, world_size, 5e-6, 1 / 25e9)
-            assert ours == namespace[name](n_bytes, world_size, 5e-6, 1 / 25e9), (name, n_bytes, world_size)
+            ours = getattr(lecture02_checks, name)(n_bytes, world_size, 5e-6, 25e9)
+            assert ours == namespace[name](n_bytes, world_size, 5e-6, 25e9), (name, n_bytes, world_size)
+
+
+@pytest.mark.timeout(30)
+def test_beta_is_a_bandwidth_in_bytes_per_second():
+    """README notation: beta is bytes/s, so a faster link (larger beta) gives a shorter time, and S bytes
+    over one link of beta bytes/s between 2 ranks (one ring step each way) take alpha + S/beta each."""
+    shared, _ = shared_and_check(1)
+    namespace, _ = run_cells(*shared)
+    assert namespace["BETA"] == lecture02_checks.BETA == 25e9
+    for name in ("ring_seconds", "tree_seconds", "naive_seconds"):
+        seconds = namespace[name]
+        assert seconds(1e6, 8, 0.0, 50e9) == pytest.approx(seconds(1e6, 8, 0.0, 25e9) / 2), name
+    assert namespace["ring_seconds"](1e6, 2, 1e-6, 25e9) == pytest.approx(2 * (1e-6 + 1e6 / 2 / 25e9))

@@ -1,4 +1,4 @@
-"""Lecture 5's calculators: their numbers are the formulas', and their output follows their sliders.
+"""Lectures 5a and 5b's calculators: their numbers are the formulas', and their output follows their sliders.
 
 "In a browser it follows its sliders" is checked the way a browser drives a widget: each test builds
 the calculator with the same builder the notebook calls, sets a control's `.value` (what dragging a
@@ -57,7 +57,7 @@ def test_step_time_is_compute_plus_exposed_allreduce():
 
 
 def test_step_time_reproduces_the_lectures_gpt2_prediction():
-    """Lecture 5, section 3: GPT-2 small on 2 nodes x 8 at 100 Gb/s, no overlap: 70.46 ms, efficiency 0.2527."""
+    """Lecture 5a, section 3: GPT-2 small on 2 nodes x 8 at 100 Gb/s, no overlap: 70.46 ms, efficiency 0.2527."""
     t = calc.step_time(calc.gpt2_parameters(), 8 * 1024 * (6 * calc.gpt2_parameters() + 12 * 12 * 768 * 1024), 8, 2,
                        "100 Gb/s per node", overlap=0.0)
     assert round(t["step_s"] * 1e3, 2) == 70.46 and round(t["efficiency"], 4) == 0.2527
@@ -80,7 +80,7 @@ def test_memory_breakdown_terms():
 
 
 def test_memory_breakdown_agrees_with_exercise_2s_worked_example():
-    """80 GB, 1 B parameters, Adam, DDP: 60 GB left for activations (lecture 5, exercise 2)."""
+    """80 GB, 1 B parameters, Adam, DDP: 60 GB left for activations (lecture 5b, exercise 1)."""
     fixed = sum(calc.memory_breakdown(1e9, 0, 0.1 * GB).values())
     assert fixed == 20 * GB
 

@@ -16,7 +16,7 @@ from ddp_course.notebooks import cells_titled, without_solution
 
 # Lectures with exercises (lecture 2's exercises are checked by tests/test_02_collectives_exercises.py).
 LECTURES = (
-    "01_data_parallelism", "03_samplers", "04_ddp_internals", "05_scaling_performance", "06_debugging_fault_tolerance",
+    "01_data_parallelism", "03_samplers", "04_ddp_internals", "05a_step_time", "05b_memory", "06_debugging_fault_tolerance",
     "07_sharded_data_parallelism",
 )  # fmt: skip
 
@@ -30,7 +30,7 @@ def notebook_pair(name):
 def test_each_exercise_is_its_solution_with_the_marked_parts_removed(name):
     lecture, solutions_path = notebook_pair(name)
     solutions, exercises = cells_titled(REPO_ROOT / solutions_path, "# Exercise "), cells_titled(lecture, "# Exercise ")
-    assert 2 <= len(solutions) <= 4 and solutions.keys() == exercises.keys()
+    assert 1 <= len(solutions) <= 4 and solutions.keys() == exercises.keys()  # lecture 5b has one
     for title, (solution, _) in solutions.items():
         number = int(re.match(r"# Exercise (\d+):", title).group(1))
         assert "# SOLUTION START" in solution and "# SOLUTION END" in solution, title
@@ -43,7 +43,7 @@ def test_check_cells_are_identical_and_stored_verdicts_are_honest(name):
     lecture, solutions_path = notebook_pair(name)
     solution_checks = cells_titled(REPO_ROOT / solutions_path, "# Check exercise ")
     lecture_checks = cells_titled(lecture, "# Check exercise ")
-    assert solution_checks.keys() == lecture_checks.keys() and len(solution_checks) >= 2
+    assert solution_checks.keys() == lecture_checks.keys() and len(solution_checks) >= 1
     for title, (source, stdout) in solution_checks.items():
         number = re.match(r"# Check exercise (\d+)", title).group(1)
         assert source == lecture_checks[title][0], title

@@ -51,7 +51,7 @@ def test_the_hang_demo_runs_on_gloo_unless_nccl_is_asked_for():
     lab2_join = load_module()
     assert lab2_join.parse_args([]).backend == "gloo"
     assert lab2_join.parse_args(["--backend", "nccl"]).backend == "nccl"  # still possible, with a note
-    for fact in ("CPU runs ahead", "watchdog", "TORCH_NCCL_BLOCKING_WAIT=1", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+    for fact in ("CPU runs ahead", "watchdog", "TORCH_NCCL_BLOCKING_WAIT=1", "TORCH_FR_BUFFER_SIZE"):
         assert fact in lab2_join.NCCL_NOTE
 
 

@@ -1,12 +1,13 @@
-"""Lecture 5's exercise checks accept the solutions and reject the stubs and plausible wrong answers.
+"""Lecture 5a's and 5b's exercise checks accept the solutions and reject the stubs and plausible wrong answers.
 
-The solutions notebook's code cells run once in one namespace (module fixture, a few seconds). Each
+Each solutions notebook's code cells run once in one namespace (module fixture, a few seconds). Each
 test then swaps one function for a wrong answer a learner might write, runs the exercise's own check
-cell (one call, `check_exercise_N(function)`, from ddp_course/lecture05_checks.py), and expects "not
-yet"; the lecture's stub must make the check say "not solved yet". So a check that cannot fail, or a solution that no longer passes, turns a test red.
-tests/test_exercises_in_step.py keeps the exercise and check cells in step with the solutions'; the
-first test here keeps the solutions' copies of the lecture's set-up cells identical. The last one
-holds the lecture's scaling prose (sections 2-3) against its own model's numbers.
+cell (one call, `check_exercise_N(function)`, from ddp_course/lecture05a_checks.py or lecture05b_checks.py),
+and expects "not yet"; the lecture's stub must make the check say "not solved yet". So a check that cannot
+fail, or a solution that no longer passes, turns a test red. tests/test_exercises_in_step.py keeps the
+exercise and check cells in step with the solutions'; the first test here keeps the solutions' copies of
+the lectures' set-up cells identical. The last one holds lecture 5a's scaling prose (sections 2-3) against
+its own model's numbers.
 """
 
 import math
@@ -18,60 +19,75 @@ from ddp_course import notebooks
 from ddp_course.launch import REPO_ROOT
 from ddp_course.notebooks import cells_titled, not_solved_verdicts, replaced, run_all_cells, run_source
 
-LECTURE = REPO_ROOT / "lectures" / "05_scaling_performance.ipynb"
-SOLUTIONS = REPO_ROOT / "solutions" / "05_scaling_performance_solutions.ipynb"
-FUNCTIONS = {1: "hierarchical_phases", 2: "largest_batch", 3: "powersgd_elements"}
+# {lecture: (notebook, solutions notebook, {exercise number: the function it asks for})}
+LECTURES = {
+    "5a": (REPO_ROOT / "lectures" / "05a_step_time.ipynb", REPO_ROOT / "solutions" / "05a_step_time_solutions.ipynb",
+           {1: "hierarchical_phases", 2: "powersgd_elements"}),
+    "5b": (REPO_ROOT / "lectures" / "05b_memory.ipynb", REPO_ROOT / "solutions" / "05b_memory_solutions.ipynb",
+           {1: "largest_batch"}),
+}  # fmt: skip
+EXERCISES = [(lecture, number) for lecture, (_, _, functions) in LECTURES.items() for number in functions]
 
 
 @pytest.mark.timeout(30)
-def test_solutions_copy_the_lecture_set_up_cells():
+@pytest.mark.parametrize("lecture", LECTURES)
+def test_solutions_copy_the_lecture_set_up_cells(lecture):
+    notebook, solutions, _ = LECTURES[lecture]
     shared = notebooks.shared_cells  # the rule lives in ddp_course.notebooks
-    assert shared(SOLUTIONS) and set(shared(SOLUTIONS)) <= set(shared(LECTURE))
+    assert shared(solutions) and set(shared(solutions)) <= set(shared(notebook))
+
+
+def check_cells(lecture):
+    """{exercise number: the source of its check cell} in the lecture's solutions notebook."""
+    return {int(title.split()[3]): source for title, (source, _) in cells_titled(LECTURES[lecture][1], "# Check exercise ").items()}
 
 
 @pytest.mark.timeout(30)
-def test_each_check_is_one_call():
-    for number, name in FUNCTIONS.items():
-        assert CHECKS[number].splitlines()[1:] == [f"check_exercise_{number}({name})"]
+@pytest.mark.parametrize("lecture", LECTURES)
+def test_each_check_is_one_call(lecture):
+    checks = check_cells(lecture)
+    for number, name in LECTURES[lecture][2].items():
+        assert checks[number].splitlines()[1:] == [f"check_exercise_{number}({name})"]
 
 
-CHECKS = {int(title.split()[3]): source for title, (source, _) in cells_titled(SOLUTIONS, "# Check exercise ").items()}
-
-
-def check_verdict(namespace, number, **replacements):
+def check_verdict(solved_lecture, lecture, number, **replacements):
     """Run exercise number's check cell, as the learner does, with some names replaced; its last line."""
+    namespace, _ = solved_lecture
     with replaced(namespace, **replacements):
-        return run_source(CHECKS[number], namespace).strip().splitlines()[-1]
+        return run_source(check_cells(lecture)[number], namespace).strip().splitlines()[-1]
 
 
-def stub_verdicts(namespace):
+def stub_verdicts(solved_lecture, lecture):
     """{number: verdict} of each check after running the lecture's exercise stub (the solutions' function restored)."""
+    namespace, _ = solved_lecture
+    notebook, _, functions = LECTURES[lecture]
     verdicts = {}
-    with replaced(namespace, **{name: namespace[name] for name in FUNCTIONS.values()}):
-        for title, (stub, _) in cells_titled(LECTURE, "# Exercise ").items():
+    with replaced(namespace, **{name: namespace[name] for name in functions.values()}):
+        for title, (stub, _) in cells_titled(notebook, "# Exercise ").items():
             number = int(title.split()[2].rstrip(":"))
             run_source(stub, namespace)
-            verdicts[number] = check_verdict(namespace, number)
+            verdicts[number] = check_verdict(solved_lecture, lecture, number)
     return verdicts
 
 
 @pytest.fixture(scope="module")
 def solved():
-    """The solutions notebook's namespace after running every cell, and each check's output."""
-    return run_all_cells(SOLUTIONS)
+    """{lecture: (the solutions notebook's namespace after running every cell, each check's output)}."""
+    return {lecture: run_all_cells(solutions) for lecture, (_, solutions, _) in LECTURES.items()}
 
 
 @pytest.mark.timeout(120)
-def test_the_solutions_pass_their_checks(solved):
-    _, outputs = solved
-    for number in FUNCTIONS:
+@pytest.mark.parametrize("lecture", LECTURES)
+def test_the_solutions_pass_their_checks(solved, lecture):
+    _, outputs = solved[lecture]
+    for number in LECTURES[lecture][2]:
         assert outputs[f"# Check exercise {number} (run after the cell above)"].strip().endswith(f"exercise {number}: correct")
 
 
 @pytest.mark.timeout(120)
-def test_the_lecture_stubs_fail_the_same_checks(solved):
-    namespace, _ = solved
-    assert stub_verdicts(namespace) == not_solved_verdicts(FUNCTIONS)
+@pytest.mark.parametrize("lecture", LECTURES)
+def test_the_lecture_stubs_fail_the_same_checks(solved, lecture):
+    assert stub_verdicts(solved[lecture], lecture) == not_solved_verdicts(LECTURES[lecture][2])
 
 
 def wrong_phases(shard=True, reduce_scatter_share=1, latency_per_bucket=True, network_link=True, all_gather=True):
@@ -118,14 +134,14 @@ def compressed_or_not(n, m, rank, rate, compressed):
 
 
 WRONG_ANSWERS = {
-    1: {"the full bytes cross the network": wrong_phases(shard=False),
+    ("5a", 1): {"the full bytes cross the network": wrong_phases(shard=False),
         "the reduce-scatter costed as a whole all-reduce": wrong_phases(reduce_scatter_share=2),
         "the node's whole ring in the reduce-scatter, the all-gather free": wrong_phases(reduce_scatter_share=2, all_gather=False),
         "latency once, not per bucket": wrong_phases(latency_per_bucket=False),
         "the shard crosses on the fast link": wrong_phases(network_link=False)},
-    2: {"no bucket copy": wrong_batch(buckets=False), "Adam keeps one moment": wrong_batch(adam_bytes=4),
+    ("5b", 1): {"no bucket copy": wrong_batch(buckets=False), "Adam keeps one moment": wrong_batch(adam_bytes=4),
         "ZeRO-1 shards the gradients too": wrong_batch(shard_gradients=True), "rounds up": wrong_batch(rounding=math.ceil)},
-    3: {"everything compressed": wrong_powersgd(lambda n, m, shape, rank, rate: (n + m) * min(n, m, rank)),
+    ("5a", 2): {"everything compressed": wrong_powersgd(lambda n, m, shape, rank, rate: (n + m) * min(n, m, rank)),
         "only P counted": wrong_powersgd(lambda n, m, shape, rank, rate: compressed_or_not(n, m, rank, rate, lambda n, m, r: n * r)),
         "convolutions sent uncompressed": wrong_powersgd(
             lambda n, m, shape, rank, rate: compressed_or_not(n, m, rank, rate, lambda n, m, r: (n + m) * r) if len(shape) == 2 else n * m),
@@ -135,11 +151,11 @@ WRONG_ANSWERS = {
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("number", FUNCTIONS)
-def test_each_check_rejects_plausible_wrong_answers(solved, number):
-    namespace, _ = solved
-    for mistake, answer in WRONG_ANSWERS[number].items():
-        assert check_verdict(namespace, number, **{FUNCTIONS[number]: answer}) == f"exercise {number}: not yet", mistake
+@pytest.mark.parametrize("lecture, number", EXERCISES, ids=[f"{lecture}-exercise{number}" for lecture, number in EXERCISES])
+def test_each_check_rejects_plausible_wrong_answers(solved, lecture, number):
+    function = LECTURES[lecture][2][number]
+    for mistake, answer in WRONG_ANSWERS[(lecture, number)].items():
+        assert check_verdict(solved[lecture], lecture, number, **{function: answer}) == f"exercise {number}: not yet", mistake
 
 
 @pytest.mark.timeout(120)
@@ -148,14 +164,14 @@ def test_scaling_prose_agrees_with_the_lectures_own_model(solved):
     import matplotlib
 
     matplotlib.use("Agg")
-    cells = nbformat.read(LECTURE, as_version=4).cells
+    cells = nbformat.read(LECTURES["5a"][0], as_version=4).cells
     prose = " ".join(cell.source for cell in cells if cell.cell_type == "markdown")
     assert "exactly Amdahl" not in prose and "levels off" not in prose  # the refuted claims
     assert "$o = 0$" in prose and "$\\log N$ for a tree" in prose
     workloads = [cell.source for cell in cells if cell.source.startswith("# The assumptions")]
     scaling = [cell.source for cell in cells if cell.source.startswith("def gradient_allreduce_seconds")]
     assert len(workloads) == 1 and len(scaling) == 1, "section 3's workloads cell and its strong- and weak-scaling cell"
-    namespace = dict(solved[0])
+    namespace = dict(solved["5a"][0])
     run_source(workloads[0], namespace)
     run_source(scaling[0], namespace)
     counts, no_overlap, overlap = namespace["gpu_counts"], namespace["speedups"][0.0], namespace["speedups"][1.0]
@@ -168,5 +184,4 @@ def test_scaling_prose_agrees_with_the_lectures_own_model(solved):
 
 @pytest.mark.timeout(120)
 def test_exercise_1s_wrong_answers_differ_from_a_right_one_only_by_their_mistake(solved):
-    namespace, _ = solved
-    assert check_verdict(namespace, 1, hierarchical_phases=wrong_phases()) == "exercise 1: correct"
+    assert check_verdict(solved["5a"], "5a", 1, hierarchical_phases=wrong_phases()) == "exercise 1: correct"

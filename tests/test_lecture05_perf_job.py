@@ -1,4 +1,4 @@
-"""Lecture 5's 2-rank job (lectures/scripts/perf_ddp_job.py) and the reference-run reader.
+"""Lectures 5a and 5b's 2-rank job (lectures/scripts/perf_ddp_job.py) and the reference-run reader.
 
 One launch with every part at tiny sizes (module fixture, a few tens of seconds on 2 CPU ranks);
 each test checks one claim the lecture prints from it: the bytes each communication hook sends,

@@ -17,7 +17,7 @@ README = (REPO_ROOT / "README.md").read_text()
 
 def route() -> list[tuple[str, str]]:
     """[(step name, notebook path)] in the order of the README's syllabus table."""
-    rows = re.findall(r"^\| (\d+) \| ((?:lecture|lab) \d+) \|(.*)$", README, flags=re.MULTILINE)
+    rows = re.findall(r"^\| (\d+) \| ((?:lecture|lab) \d+\w?) \|(.*)$", README, flags=re.MULTILINE)
     assert [int(number) for number, _, _ in rows] == list(range(1, len(rows) + 1)), "the table's steps are numbered 1..n"
     return [(name, re.search(r"\(((?:lectures|labs)/[^)]+\.ipynb)\)", rest).group(1)) for _, name, rest in rows]
 
@@ -62,3 +62,14 @@ def test_every_notebook_of_lectures_and_labs_is_on_the_route_or_optional():
     on_route = {path for _, path in ROUTE}
     notebooks = {str(path.relative_to(REPO_ROOT)) for folder in ("lectures", "labs") for path in (REPO_ROOT / folder).glob("*.ipynb")}
     assert notebooks - on_route == {"lectures/optional_beyond_data_parallelism.ipynb"}
+
+
+def test_every_syllabus_row_has_the_tables_four_cells():
+    """A row with one cell too many (`||`) loses its last cell on GitHub: the "After it you can" text vanished
+    from six rows once (issue 29). Pipes inside backticks are code, not cell borders."""
+    header = "| Step | Notebook | What it covers | After it you can |"
+    assert header in README
+    rows = re.findall(r"^\| \d+ \| (?:lecture|lab) \d+\w? \|.*$", README, flags=re.MULTILINE)
+    for row in rows:
+        outside_code = re.sub(r"`[^`]*`", "", row)
+        assert outside_code.count("|") == 5 and "||" not in outside_code, row[:120]

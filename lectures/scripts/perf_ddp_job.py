@@ -1,4 +1,4 @@
-"""Lecture 5's measurements in real DDP processes: a profiled step, compression hooks, bucket sizes,
+"""Lectures 5a and 5b's measurements in real DDP processes: a profiled step, compression hooks, bucket sizes,
 gradient accumulation with no_sync, ZeRO-1's optimizer memory, and GradScaler skipping an overflowing
 step on every rank. One job, several parts.
 
@@ -339,7 +339,7 @@ def gradscaler_part(ctx, args) -> dict:
 
 
 def parse_args(argv=None):
-    parser = CourseArgumentParser(prog="perf_ddp_job.py", description="Lecture 5's DDP measurements.")
+    parser = CourseArgumentParser(prog="perf_ddp_job.py", description="Lectures 5a and 5b's DDP measurements.")
     parser.add_argument("--out-dir", required=True, help="perf.json and traces/ go here")
     parser.add_argument("--parts", type=name_list, default=list(PARTS), help=f"any of {','.join(PARTS)}")
     parser.add_argument("--hooks", type=name_list, default=list(HOOKS), help=f"any of {','.join(HOOKS)}")

@@ -1,4 +1,4 @@
-"""Lecture 5's exercise checks: each is one call in the notebook, `check_exercise_1(hierarchical_phases)`.
+"""Lecture 5a's exercise checks: each is one call in the notebook, `check_exercise_1(hierarchical_phases)`.
 
 Each prints "exercise N: correct", "... not yet" with the first case that failed, or "... not solved
 yet" while the function still raises NotImplementedError. tests/test_lecture05_exercises.py shows
@@ -18,7 +18,7 @@ from ddp_course.launch import REPO_ROOT
 LECTURE5_REFERENCE = REPO_ROOT / "solutions" / "lecture5_reference" / "lecture5_reference.json"
 
 
-def _verdict(number, name, check):
+def print_verdict(number, name, check):
     """Run check(); turn what it raised into the one-line verdict a learner reads."""
     try:
         extra = check()
@@ -60,34 +60,10 @@ def check_exercise_1(hierarchical_phases):
         return ["GPT-2 small, 2 nodes x 8, 100 Gb/s: reduce-scatter {:.2f} ms, across nodes {:.2f} ms, all-gather {:.2f} ms".format(
             *(seconds * 1e3 for seconds in phases))]
 
-    _verdict(1, "hierarchical_phases", check)
+    print_verdict(1, "hierarchical_phases", check)
 
 
-def check_exercise_2(largest_batch):
-    """Worked examples for 1 B parameters on an 80 GB H100, and more memory never gives a smaller batch."""
-    GB = 1e9
-
-    def check():
-        cases = [((80 * GB, 1e9, 0.1 * GB), {}, 600),  # 80 - 4 - 4 - 4 - 8 = 60 GB of activations
-                 ((80 * GB, 1e9, 0.1 * GB), {"bucket_view": True}, 640),  # no bucket copy
-                 ((80 * GB, 1e9, 0.1 * GB), {"optimizer": "momentum"}, 640),
-                 ((80 * GB, 1e9, 0.1 * GB), {"optimizer": "sgd", "bucket_view": True}, 720),
-                 ((80 * GB, 1e9, 0.1 * GB), {"zero1_ranks": 8}, 670),
-                 ((80 * GB, 1e9, 0.3 * GB), {}, 200),
-                 ((80 * GB, 1e9, 0.7 * GB), {}, 85),  # 60 / 0.7 = 85.7: whole samples only
-                 ((16 * GB, 1e9, 0.1 * GB), {}, 0)]  # the model's state alone does not fit
-        for arguments, options, expected in cases:
-            got = largest_batch(*arguments, **options)
-            assert got == expected, f"{arguments}, {options}: expected {expected}, got {got}"
-        for memory_gb in range(20, 200, 7):  # more memory never means a smaller batch
-            assert largest_batch((memory_gb + 7) * GB, 1e9, 0.1 * GB) >= largest_batch(memory_gb * GB, 1e9, 0.1 * GB), "not monotonic"
-        return [f"1 B parameters, Adam, 80 GB, ZeRO-1 over {ranks} rank(s): batch {largest_batch(80 * GB, 1e9, 0.1 * GB, zero1_ranks=ranks)}"
-                for ranks in (1, 8)]
-
-    _verdict(2, "largest_batch", check)
-
-
-def check_exercise_3(powersgd_elements):
+def check_exercise_2(powersgd_elements):
     """Hand cases, torch's own compress-or-not decision on 300 random shapes, and the bytes the
     reference run's 2-rank job sent for the digits CNN."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
@@ -116,4 +92,4 @@ def check_exercise_3(powersgd_elements):
             lines.append(f"digits CNN at rank {rank:>2}: {ratio:5.1f}x fewer numbers than the plain all-reduce")
         return lines
 
-    _verdict(3, "powersgd_elements", check)
+    print_verdict(2, "powersgd_elements", check)

@@ -1,0 +1,40 @@
+"""Every figure in assets/ is drawn by code (ddp_course/diagrams/) and is current: a change to what a
+figure shows, or to how it is drawn, fails here until `python -m ddp_course.diagrams` redraws it."""
+
+import json
+
+import pytest
+
+from ddp_course import diagrams
+
+MODULES = diagrams.available_modules()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("module", MODULES, ids=[module.NAME for module in MODULES])
+def test_the_committed_figure_is_current(module):
+    assert diagrams.stale(module) is None, diagrams.stale(module)
+
+
+@pytest.mark.timeout(60)
+def test_a_changed_description_is_caught(tmp_path, monkeypatch):
+    """The check can fail: a diagram whose description no longer matches its committed record is stale."""
+
+    class Fake:
+        NAME, TITLE = "fake_diagram", "a fake diagram"
+
+        @staticmethod
+        def describe():
+            return {"boxes": ["a", "b"]}
+
+    monkeypatch.setattr(diagrams, "ASSETS", tmp_path)
+    monkeypatch.setattr(diagrams, "fingerprint", lambda module: "0123")
+    assert diagrams.stale(Fake) == "fake_diagram: not drawn yet"
+    record = {"name": Fake.NAME, "title": Fake.TITLE, "source_fingerprint": "0123", "description": {"boxes": ["a", "b"]}}
+    (tmp_path / "fake_diagram.json").write_text(json.dumps(record))
+    (tmp_path / "fake_diagram.png").write_bytes(b"png")
+    assert diagrams.stale(Fake) is None
+    Fake.describe = staticmethod(lambda: {"boxes": ["a", "c"]})
+    assert diagrams.stale(Fake) == "fake_diagram: what it shows changed since it was drawn"
+    monkeypatch.setattr(diagrams, "fingerprint", lambda module: "4567")
+    assert diagrams.stale(Fake) == "fake_diagram: its drawing code changed since it was drawn"
