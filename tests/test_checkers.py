@@ -658,3 +658,31 @@ def test_a_job_that_hangs_is_killed_and_reported(checker, jobs):
     assert verdicts[6] == f"BLOCKED no --metrics-json: {killed} before writing it"
     for number in (1, 2, 3, 4, 7):  # all observed before the hang
         assert verdicts[number].startswith("PASS "), verdicts[number]
+
+
+# --- the grader's adapters of both checkers, on these rows (no launch of their own) ---------------------
+@pytest.mark.timeout(700)
+def test_the_grader_scores_the_solutions_fully_and_a_mistake_on_its_own_check(convert_checker, checker, jobs, tmp_path):
+    """ddp_course.grade's lab 3 and lab 4 rows, from the rows above instead of launches of their own."""
+    from ddp_course import grade
+
+    rows = jobs["rows"].result()
+
+    def lab3_check(name):
+        return lambda script, out_dir: ((rows[name], rows[f"{name}-resumed"]), convert_checker.judge(rows[name], rows[f"{name}-resumed"]))
+
+    def lab4_check(name):
+        return lambda script, out_dir: (rows[name], checker.judge(rows[name]))
+
+    solutions = grade.Sources(solutions=True)
+    lab3 = grade.lab3_rows(solutions, check=lab3_check("lab3-solution"))
+    assert [r.status for r in lab3] == ["PASS"] * 13 + ["BLOCKED"], lab3
+    lab4 = grade.lab4_rows(solutions, check=lab4_check("lab4-solution"))
+    assert [r.status for r in lab4] == ["PASS"] * 7, lab4
+    mine = grade.Sources(extra={"lab3": CONVERT_SOLUTION, "lab4": LAB4_SOLUTION})  # any existing file: the check is given
+    lab3 = grade.lab3_rows(mine, check=lab3_check("clip-every-micro-batch"))
+    assert [r.check for r in lab3 if r.status == "FAIL"] == ["8 clipping"], lab3
+    # Lab 4's bug 1 alone: no DistributedSampler. Its epoch-shuffle passes (the loader shuffles by itself),
+    # which the grader does not count: BLOCKED, no point.
+    lab4 = grade.lab4_rows(mine, check=lab4_check(1))
+    assert [(r.check, r.status) for r in lab4 if r.status != "PASS"] == [("1 data-split", "FAIL"), ("4 epoch-shuffle", "BLOCKED")], lab4
