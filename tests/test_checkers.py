@@ -686,3 +686,33 @@ def test_the_grader_scores_the_solutions_fully_and_a_mistake_on_its_own_check(co
     # which the grader does not count: BLOCKED, no point.
     lab4 = grade.lab4_rows(mine, check=lab4_check(1))
     assert [(r.check, r.status) for r in lab4 if r.status != "PASS"] == [("1 data-split", "FAIL"), ("4 epoch-shuffle", "BLOCKED")], lab4
+
+
+# --- the lab 3 sheet's stored checker runs ------------------------------------------------------------
+REFERENCE = REPO_ROOT / "solutions" / "lab3_reference"
+# The sheet prints these two runs (section 7): the solution, and the mistake whose FAIL also shows a BLOCKED.
+REFERENCE_RUNS = {"convert_check_pass.txt": ("lab3-solution", "solutions/my_ddp.py"), "convert_check_fail.txt": ("local-batchnorm-at-eval", "labs/my_ddp.py")}
+
+
+def masked(text: str) -> str:
+    """Text with every number masked: another CPU rounds an accuracy or a norm differently, the words stay."""
+    return re.sub(r"\d+(\.\d+)?(e[-+]\d+)?", "#", text)
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("name", sorted(REFERENCE_RUNS))
+def test_the_sheets_stored_checker_runs_are_what_the_checker_prints(convert_checker, jobs, monkeypatch, capsys, name):
+    """solutions/lab3_reference/*.txt, which the lab 3 sheet prints, are main()'s output on these rows (numbers
+    masked). DDP_COURSE_WRITE_REFERENCE=1 rewrites them from this run."""
+    import os
+
+    row, shown = REFERENCE_RUNS[name]
+    rows = jobs["rows"].result()
+    monkeypatch.setattr(convert_checker, "check", lambda script, out_dir: ((rows[row], rows[f"{row}-resumed"]), convert_checker.judge(rows[row], rows[f"{row}-resumed"])))
+    status = convert_checker.main([shown if name.endswith("pass.txt") else str(CONVERT_SOLUTION)])
+    output = capsys.readouterr().out.replace(str(CONVERT_SOLUTION), shown)
+    assert status == (0 if name.endswith("pass.txt") else 1), output
+    if os.environ.get("DDP_COURSE_WRITE_REFERENCE") == "1":
+        REFERENCE.mkdir(exist_ok=True)
+        (REFERENCE / name).write_text(output)
+    assert masked((REFERENCE / name).read_text()) == masked(output)
