@@ -627,6 +627,10 @@ def check_resume(straight, resumed, replicas_ok: bool) -> Verdict:
         return Verdict(12, "BLOCKED", f"the first run {straight.ended()}, so no second run resumed from it")
     if not first_checkpoint(straight.out_dir).exists():
         return Verdict(12, "BLOCKED", "rank 0 of the first run wrote no checkpoint to resume from")
+    saved = str((straight.out_dir / "model.pt").resolve())
+    first_save = next((e for e in straight.events.get(0, []) if e["kind"] == "save" and e["path"] == saved), None)
+    if first_save is not None and first_save.get("epoch", 0) != RESUME_AFTER_EPOCH - 1:
+        return Verdict(12, "FAIL", f"rank 0 first wrote --save during epoch {first_save['epoch'] + 1}, not at the end of epoch {RESUME_AFTER_EPOCH}: a checkpoint every epoch is what a resume starts from")
     if not replicas_ok:
         return Verdict(12, "BLOCKED", "the first run's replicas differ (check 3): a resume from rank 0's file cannot follow them")
     if not resumed.finished:

@@ -61,10 +61,9 @@ class RandomShift(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int):
-        image, label = self.dataset[index]
-        dy, dx = torch.randint(-1, 2, (2,)).tolist()
-        shifted = torch.roll(F.pad(image, (1, 1, 1, 1)), shifts=(dy, dx), dims=(1, 2))[:, 1:-1, 1:-1]
-        return shifted, label
+        image, label = self.dataset[index]  # (1, 8, 8)
+        top, left = torch.randint(0, 3, (2,)).tolist()  # where the 8x8 window sits in the padded 10x10
+        return F.pad(image, (1, 1, 1, 1))[:, top : top + 8, left : left + 8], label
 
 
 def lr_at(step: int, total_steps: int, warmup_steps: int, peak_lr: float) -> float:

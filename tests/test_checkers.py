@@ -1,45 +1,43 @@
 """The two checkers built on lab 4's observer (labs/lab4_observe.py), each judged on real jobs.
 
-- Lab 3's conversion checker (labs/lab3_convert_check.py) passes solutions/my_ddp.py on all seven
-  checks, and fails each plausible mistake (a small edit of that solution, made here, so the
-  mistakes cannot drift from it) on its own check only.
+- Lab 3's conversion checker (labs/lab3_convert_check.py) passes solutions/my_ddp.py on all thirteen
+  checks, and fails each planted mistake (a small edit of that solution, made here, so the mistakes
+  cannot drift from it: one per check, and one more spelling) on its own check only; two more
+  spellings are made from the solution's recorded runs without a launch.
 - Lab 4's broken-DDP checker (labs/lab4_check.py) finds every planted bug from what the script does,
   and only that bug. The copies with one bug are made here from solutions/lab4_broken_ddp.py, with
   the same edits that turn it into labs/lab4_broken_ddp.py, so the exercise, the solution and these
   tests cannot drift apart.
+- ddp_course.grade's lab 3 and lab 4 rows, and the lab 3 sheet's stored checker runs
+  (solutions/lab3_reference/), from these jobs.
 
 Each job is a real torchrun job (2 gloo ranks on the CPU) under the observer. Nearly all of a job's
 CPU is start-up (Python and torch imports: about 10 CPU-seconds for torchrun's agent and 2 ranks),
 not its 2 epochs of training (issue 22). So the file launches as few jobs as its proofs need, and
 ONE module fixture, `jobs`, starts all 6 launches of both checkers:
 
-- the learners' commands, end to end (exit status, output): lab 3's checker's main() on its
-  solution, in this process, and `python labs/lab4_check.py` on lab 4's exercise, in a process of
-  its own;
-- ONE launch for the 16 planted mistakes of both checkers and lab 4's solution, row after row in
-  the same 2 ranks (tests/scripts/observe_rows.py; each row has its own observer, process group,
-  store keys and its checker's observer settings), each judged by its checker's own judge(). The
-  launch runs as lab 3's checker runs its job, as two one-process nodes (two torchrun agents):
-  LOCAL_RANK is 0 on both ranks, which lab 3's local-rank-sampler mistake needs to show. Lab 4's
-  checker launches one node; its rows here differ only in LOCAL_RANK, which nothing it judges
-  reads, and its scripts pass --backend gloo, so they take setup_distributed's one-node path. Lab 4's
-  bug 5 and lab 3's barrier-on-rank-0 are rescued by the observer, and lab 4's solution runs last
-  and must pass: neither a rescued row nor a row with the other checker's settings spoils the rows
-  after it;
+- ONE launch for lab 3: the solution and its 14 planted mistakes, each run twice as the checker runs
+  it (straight, then resumed from its epoch-1 checkpoint), one after another in the same 2 ranks as two
+  one-process nodes (the observer's --runs: each run has its own observer, process group, store keys
+  and output files), each pair judged by the checker's judge(). LOCAL_RANK is 0 on both ranks, which
+  the local-rank-sampler mistake needs to show. The learner's command, the checker's main(), runs
+  in this process on the solution's pair (its launch would repeat these runs);
+- ONE launch for lab 4's 8 planted bugs and its solution, on one node as its checker runs them;
+  bug 5's row is rescued by the observer, and the solution runs last and must pass;
+- `python labs/lab4_check.py` on lab 4's exercise, end to end (exit status, output);
 - lab 4's job that hangs and its unrescued exercise, each in a launch of its own: one is killed at
   the checker's limit, the other dies at gloo's timeout, and both spend most of their time waiting;
 - lab 4's minimal hang under TORCH_DISTRIBUTED_DEBUG=DETAIL.
 
 Both checkers are in one file so that their launches share one pool: the CPU-bound ones keep the 2
-cores busy while the hung job waits for its limit, which bounds the file's wall time (see `jobs`
-for the order and the times measured). In two files (test_lab3_convert_check.py and
-test_lab4_checker.py before) they ran one after the other: 67 s and 104-105 CPU-seconds for both,
-alone on 2 cores; here 54 s and 89-92 CPU-s (27 Nov 2026, 10:14-10:44 UTC; what pytest itself
-reported: 62 s before, 49 s here). A fixture cannot span two files here: pytest runs the files
-in alphabetical order, and a session fixture started by one file would overlap with the launches
-of the files in between. The tests come in about the order their jobs end, lab 3's first, and the
-hung job's test last: each test waits only for its own job, and the in-process work (the bad
-command lines, judging the rows) runs while later jobs still run.
+cores busy while the hung job waits for its limit (see `jobs` for the order). Measured against the
+file as it was before lab 3's realistic exercise (35 tests: one launch of 15 rows and a launch of
+its own for lab 3's solution), back to back on this machine while the main job took 16.3-16.9 s:
+90.7 s and 95 CPU-s before, 82.6 s and 111 CPU-s here (27 Nov 2026, 20:02-20:06 UTC). A fixture
+cannot span two files here: pytest runs the files in alphabetical order, and a session fixture
+started by one file would overlap with the launches of the files in between. Each test waits only
+for its own job, and the in-process work (the bad command lines, judging the rows) runs while later
+jobs still run.
 
 The bad command lines are parsed in this process (no torch start-up each). The observed ranks read
 the checker's saved copy of the digits instead of importing scikit-learn (LAB4_OBSERVE_DIGITS;
@@ -70,9 +68,10 @@ observe_rows = import_script(REPO_ROOT / "tests" / "scripts" / "observe_rows.py"
 
 # --- lab 3's conversion checker: what it must find ----------------------------------------------------
 # Each mistake: (the check it must fail, the edits that put it into the solution: (old text, new text)).
-# One per check (13), and two more spellings of a mistake (scheduler-per-micro-batch, no-map-location),
-# each a small edit of solutions/my_ddp.py. (A third, every rank printing, is made from the solution's
-# run without a launch: test_printed_loss_from_every_rank_fails.)
+# One per check (13), and one more spelling of a mistake (scheduler-per-micro-batch: issue 30 names both
+# ways a schedule goes wrong), each a small edit of solutions/my_ddp.py. Two more are made from the
+# solution's runs without a launch (test_two_spellings_made_from_the_solutions_runs): every rank
+# printing the loss, and a checkpoint loaded without map_location.
 MISTAKES = {
     "local-rank-sampler": (1, [  # the sampler's rank is the process's index on its machine: 0 on both nodes
         ("num_replicas=world_size, rank=rank, shuffle=True", 'num_replicas=world_size, rank=int(os.environ["LOCAL_RANK"]), shuffle=True'),
@@ -118,9 +117,6 @@ MISTAKES = {
     "resume-without-scheduler": (12, [  # the schedule starts again from its first step after a resume
         ("        scheduler.load_state_dict(checkpoint[\"scheduler\"])\n", ""),
     ]),
-    "no-map-location": (12, [  # on GPUs every rank would load rank 0's cuda:0 tensors onto cuda:0
-        ("torch.load(args.save, map_location=device, weights_only=True)", "torch.load(args.save, weights_only=True)"),
-    ]),
     "local-batchnorm-at-eval": (13, [  # each rank scores with its own BatchNorm statistics; rank 0 saves its own
         ("        for buffer in model.buffers():\n            dist.broadcast(buffer, src=0)\n", ""),
     ]),
@@ -141,7 +137,6 @@ MISTAKE_EVIDENCE = {
     "no-no-sync": r"FAIL +in optimizer step 1 rank 0 ran 3 backward passes that all-reduce \(of 3 micro-batches\): 3 all-reduces for one optimizer step",
     "rank0-loss": r"FAIL +the loss printed at step 2, \d\.\d{4}, is rank 0's own samples' mean; over every rank's samples since the last line it is \d\.\d{4}",
     "resume-without-scheduler": r"FAIL +resumed after epoch 1, the run ends on other weights than the run that went straight through",
-    "no-map-location": r"FAIL +rank 0 loaded the checkpoint without map_location",
     "local-batchnorm-at-eval": r"FAIL +in held-out pass 0 rank 1 scored with other BatchNorm statistics than rank 0, which are the ones rank 0 saves",
 }  # fmt: skip
 # Checks that a mistake leaves undecidable, with the reason the checker must give instead of a guess.
@@ -220,9 +215,10 @@ LINE = re.compile(r"^ ?(\d{1,2}) (\S+) +(PASS|FAIL|BLOCKED) +(.*)$")
 HUNG_JOB_LIMIT_S = 45
 # The unrescued exercise hangs at the end of epoch 0 and dies 10 s later at gloo's timeout: 29-32 s.
 UNRESCUED_JOB_LIMIT_S = 90
-# The one launch of the 15 rows (each 2 epochs, after one start-up): 36-41 s (42 s with
-# ATEN_CPU_CAPABILITY=default) on one node. With 17 rows on two one-process nodes the limit grew
-# from 120 s to 150 s, in proportion to the rows. A hung row is killed at this limit.
+# Each rows launch is killed at this limit (a hung row). Lab 3's, the longest (the solution and 14
+# mistakes, 30 runs as two one-process nodes), took 60-80 s on this machine while the main job took
+# 15-17 s (a run is about 0.5 s once torch._dynamo is imported and gc.freeze() keeps the collector's
+# work small, see labs/lab4_observe.py); the limit is for a much slower machine.
 ROWS_TIMEOUT_S = 600
 # `python labs/lab4_check.py --job-timeout-s 120` on the exercise: 16-18 s alone on 2 quiet cores. It runs
 # beside the rows launch, which now takes minutes on a loaded machine; the checker's default limit (60 s)
@@ -299,17 +295,12 @@ def checker(convert_checker):
     return convert_checker.lab4
 
 
-def observe_rows_of_both_checkers(checker, convert_checker, folder) -> dict:
-    """{row name: Observation} from ONE launch (see the docstring), in this order: lab 4's bugs 1 to 7
-    (names 1 to 7) and the other spellings of its bugs (SPELLINGS), lab 3's mistakes (their names),
-    then lab 4's solution ("lab4-solution").
-
-    Lab 4's rows run with its flags and the observer's default settings; lab 3's with its own flags
-    and OBSERVER_ENV (every step's gradients recorded). Bug 5's and barrier-on-rank-0's rows are
-    rescued by the observer and finish; lab 4's solution comes last, so the rows after a rescued
-    one, and after rows with other settings, are checked to be unharmed. A row that fails ends the
-    launch: its test and those of the rows after it fail, each with the row's own output.
-    """
+def observe_lab4_rows(checker, folder) -> dict:
+    """{row name: Observation} of lab 4's rows, from ONE launch on one node as lab 4's checker runs its
+    job: bugs 1 to 7 (names 1 to 7), the other spellings of its bugs (SPELLINGS), then lab 4's solution
+    ("lab4-solution"). Bug 5's row is rescued by the observer and finishes; the solution comes last, so
+    the rows after a rescued one are checked to be unharmed. A row that fails ends the launch: its test
+    and those of the rows after it fail, each with the row's own output."""
     rows = {}
     for bug in sorted(BUGS):
         script = folder / f"bug{bug}" / "lab4_broken_ddp.py"  # the exercise's file name
@@ -321,14 +312,31 @@ def observe_rows_of_both_checkers(checker, convert_checker, folder) -> dict:
         script.parent.mkdir()
         script.write_text(with_edits(LAB4_SOLUTION.read_text(), [edit]))
         rows[name] = (script, checker.default_script_args, {})
-    rows.update(conversion_rows(convert_checker, "lab3-solution", CONVERT_SOLUTION))
+    rows["lab4-solution"] = (LAB4_SOLUTION, checker.default_script_args, {})
+    return observe_rows.observe_in_one_launch(checker, rows, folder, ROWS_TIMEOUT_S)
+
+
+def observe_lab3_rows(convert_checker, folder) -> dict:
+    """{row name: Observation} of lab 3's rows, from ONE launch as two one-process nodes, as the checker
+    runs its job: the solution, then each mistake, each twice (NAME straight, NAME-resumed from a copy
+    of its checkpoint of epoch 1), with lab 3's flags and OBSERVER_ENV (every step recorded)."""
+    rows = conversion_rows(convert_checker, "lab3-solution", CONVERT_SOLUTION)
     for name, (_, edits) in MISTAKES.items():
         script = folder / name / "my_ddp.py"
         script.parent.mkdir()
         script.write_text(with_edits(CONVERT_SOLUTION.read_text(), edits))
         rows.update(conversion_rows(convert_checker, name, script))
-    rows["lab4-solution"] = (LAB4_SOLUTION, checker.default_script_args, {})
-    return observe_rows.observe_in_one_launch(checker, rows, folder, ROWS_TIMEOUT_S, nodes=convert_checker.NODES)
+    return observe_rows.observe_in_one_launch(convert_checker.lab4, rows, folder, ROWS_TIMEOUT_S, nodes=convert_checker.NODES)
+
+
+class Both:
+    """Both rows launches' Observations as one {name: Observation}, for the tests that read rows of both."""
+
+    def __init__(self, *futures):
+        self.futures = futures
+
+    def result(self) -> dict:
+        return {name: row for future in self.futures for name, row in future.result().items()}
 
 
 def conversion_rows(convert_checker, name: str, script) -> dict:
@@ -364,25 +372,24 @@ def jobs(checker, convert_checker, tmp_path_factory):
     detail = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
     # The order. The 2 jobs that soon only wait start at once, each on a thread of its own: "hung"
     # (HUNG_JOB_LIMIT_S is 2.5x the time it takes to reach its sleep) and "unrescued". The 4 CPU-bound
-    # ones run 2 at a time, the longest (the rows) first: on 2 cores more at once only add switching.
-    # All 6 at once, the hung job reached its sleep after 25 s instead of about 15.5, and the file
-    # took 102-104 CPU-s instead of 89-92 (2 cores, 27 Nov 2026, 10:25-10:44 UTC). In this order,
-    # from the start of the pool: rows 0-37 s; convert 0-19, then broken to about 35, then minimal to
-    # about 40; unrescued died at 29-30 s; hung was killed at its limit, at 45.6 s.
+    # ones run 2 at a time, the longest (lab 3's rows) first: on 2 cores more at once only add
+    # switching. Lab 4's rows, its exercise and the minimal hang take the other place in turn.
     # A rank that crashes at exit fails its test: no relaunch here, and none by pytest (a rerun would
     # only read this result again).
     # Made here, before the threads: tmp_path_factory's first call also makes its base folder, and
     # digits() caches the digits for every job (4 threads would each load them at once).
-    folder = {name: tmp_path_factory.mktemp(name) for name in ("hung", "unrescued", "rows")}
+    folder = {name: tmp_path_factory.mktemp(name) for name in ("hung", "unrescued", "rows3", "rows4")}
     checker.digits()
     with ThreadPoolExecutor(max_workers=2) as waiting, ThreadPoolExecutor(max_workers=2) as busy:
         futures = {
             "hung": waiting.submit(check, folder["hung"], make_source=hung_solution, job_timeout_s=HUNG_JOB_LIMIT_S),
             "unrescued": waiting.submit(check, folder["unrescued"], BROKEN, rescue=False, job_timeout_s=UNRESCUED_JOB_LIMIT_S),
-            "rows": busy.submit(observe_rows_of_both_checkers, checker, convert_checker, folder["rows"]),
+            "rows3": busy.submit(observe_lab3_rows, convert_checker, folder["rows3"]),
+            "rows4": busy.submit(observe_lab4_rows, checker, folder["rows4"]),
             "broken": busy.submit(run_command, [sys.executable, str(LAB4_CHECKER), "--job-timeout-s", str(BROKEN_JOB_LIMIT_S)], timeout_s=BROKEN_COMMAND_TIMEOUT_S),
             "minimal": busy.submit(run_torchrun, minimal, [], nproc=2, timeout_s=MINIMAL_HANG_TIMEOUT_S, env=detail),
         }
+        futures["rows"] = Both(futures["rows3"], futures["rows4"])
         yield futures  # leaving the block waits for every job, also when a test failed
 
 
@@ -394,14 +401,14 @@ def checked(jobs, name) -> tuple[object, dict[int, str]]:
 
 def judged_row(judge, jobs, name) -> tuple[object, dict[int, str], list]:
     """(Observation, {check: 'STATUS evidence'}, the verdicts) of a row, judged as its checker judges its own job."""
-    observation = jobs["rows"].result()[name]
+    observation = jobs["rows4"].result()[name]
     verdicts = judge(observation)
     return observation, verdict_lines("\n".join(verdict.line() for verdict in verdicts)), verdicts
 
 
 def judged_conversion(convert_checker, jobs, name) -> tuple[object, object, dict[int, str]]:
     """(straight run, resumed run, {check: 'STATUS evidence'}) of a lab 3 mistake's two rows, judged as the checker judges its job."""
-    rows = jobs["rows"].result()
+    rows = jobs["rows3"].result()
     straight, resumed = rows[name], rows[f"{name}-resumed"]
     verdicts = convert_checker.judge(straight, resumed)
     return straight, resumed, verdict_lines("\n".join(verdict.line() for verdict in verdicts), CONVERT_CHECKS)
@@ -413,7 +420,7 @@ def test_my_ddp_solution_passes_all_thirteen_checks(convert_checker, jobs, monke
     """The learner's command on the solution, `python labs/lab3_convert_check.py solutions/my_ddp.py`: its
     main() in this process, on the solution's two rows (observe() would have launched the same two runs
     alone: the rows launch runs them with the same functions, lab4.observe_runs and lab4.run_job)."""
-    rows = jobs["rows"].result()
+    rows = jobs["rows3"].result()
 
     def check(script, out_dir):
         assert script == CONVERT_SOLUTION.resolve()
@@ -439,19 +446,40 @@ def test_my_ddp_solution_passes_all_thirteen_checks(convert_checker, jobs, monke
     assert "result: 13 passed, 0 failed, 0 blocked of 13 checks" in output
 
 
+def edited_copy(observation, folder, edit):
+    """An Observation of a copy of a run's folder, whose recorded files edit(copy) changed (a spelling made without a launch)."""
+    from ddp_course.launch import import_script
+
+    lab4 = import_script(REPO_ROOT / "labs" / "lab4_check.py")
+    original = observation.out_dir
+    shutil.copytree(original, folder)
+    for events in folder.glob("events-r*.jsonl"):  # the files it saved and loaded, where the copy has them
+        events.write_text(events.read_text().replace(str(original.resolve()), str(folder.resolve())))
+    edit(folder)
+    return lab4.run_observation(observation.run, folder, 150)
+
+
 @pytest.mark.timeout(700)
-def test_printed_loss_from_every_rank_fails(convert_checker, jobs, tmp_path):
-    """A spelling made without a launch: the solution's run, as if rank 1 had printed rank 0's lines too."""
-    rows = jobs["rows"].result()
-    original, straight = rows["lab3-solution"].out_dir, tmp_path / "every-rank-prints"
-    shutil.copytree(original, straight)
-    for events in straight.glob("events-r*.jsonl"):  # the files it saved, where the copy has them
-        events.write_text(events.read_text().replace(str(original.resolve()), str(straight.resolve())))
-    (straight / "stdout-r1.txt").write_text((straight / "stdout-r0.txt").read_text())
-    observation = convert_checker.lab4.run_observation(rows["lab3-solution"].run, straight, convert_checker.JOB_TIMEOUT_S)
-    verdicts = verdict_lines("\n".join(v.line() for v in convert_checker.judge(observation, rows["lab3-solution-resumed"])), CONVERT_CHECKS)
-    assert verdicts[11].startswith("FAIL ranks 0 and 1 each printed 5 loss lines: one line per job, from one rank"), verdicts[11]
-    assert all(line.startswith("PASS ") for number, line in verdicts.items() if number != 11), verdicts
+def test_two_spellings_made_from_the_solutions_runs(convert_checker, jobs, tmp_path):
+    """Each fails its own check alone: rank 1 printing rank 0's loss lines too (check 11), and rank 0
+    loading the checkpoint without map_location (check 12), as recorded by the observer."""
+    rows = jobs["rows3"].result()
+    straight, resumed = rows["lab3-solution"], rows["lab3-solution-resumed"]
+
+    def print_on_both(folder):
+        (folder / "stdout-r1.txt").write_text((folder / "stdout-r0.txt").read_text())
+
+    def no_map_location(folder):
+        events = folder / "events-r0.jsonl"
+        events.write_text(re.sub(r'("kind": "load", .*?"map_location": )"[^"]*"', r"\1null", events.read_text()))
+
+    for number, straight_run, resumed_run, expected in [
+        (11, edited_copy(straight, tmp_path / "prints", print_on_both), resumed, "FAIL ranks 0 and 1 each printed 5 loss lines: one line per job, from one rank"),
+        (12, straight, edited_copy(resumed, tmp_path / "loads", no_map_location), "FAIL rank 0 loaded the checkpoint without map_location"),
+    ]:  # fmt: skip
+        verdicts = verdict_lines("\n".join(v.line() for v in convert_checker.judge(straight_run, resumed_run)), CONVERT_CHECKS)
+        assert verdicts[number].startswith(expected), verdicts[number]
+        assert all(line.startswith("PASS ") for other, line in verdicts.items() if other != number), verdicts
 
 
 @pytest.mark.parametrize(
@@ -495,7 +523,7 @@ def test_the_default_script_says_how_to_start(convert_checker, monkeypatch, caps
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_each_mistake_fails_its_own_check_and_no_other(convert_checker, jobs, mistake):
-    """Two rows of their own for each mistake, straight and resumed, with lab 3's settings (see observe_rows_of_both_checkers)."""
+    """Two rows of their own for each mistake, straight and resumed, with lab 3's settings (see observe_lab3_rows)."""
     straight, resumed, verdicts = judged_conversion(convert_checker, jobs, mistake)
     number = MISTAKES[mistake][0]
     assert straight.run.ok, straight.run.describe()  # even the job whose barrier goes unmatched: the observer skips that call
@@ -625,7 +653,7 @@ def test_lab4_solution_passes_all_seven_checks(checker, jobs):
 @pytest.mark.parametrize("bug", [*sorted(BUGS), *SPELLINGS])
 def test_each_bug_alone_fails_its_check_and_only_it(checker, jobs, bug):
     """A row of its own for each bug, and for each other spelling of one: the solution with that one
-    edit (see observe_rows_of_both_checkers)."""
+    edit (see observe_lab4_rows)."""
     observation, verdicts, _ = judged_row(checker.judge, jobs, bug)
     number = SPELLINGS[bug][0] if bug in SPELLINGS else bug
     assert observation.run.ok, observation.run.describe()
@@ -707,7 +735,7 @@ def test_the_sheets_stored_checker_runs_are_what_the_checker_prints(convert_chec
     import os
 
     row, shown = REFERENCE_RUNS[name]
-    rows = jobs["rows"].result()
+    rows = jobs["rows3"].result()
     monkeypatch.setattr(convert_checker, "check", lambda script, out_dir: ((rows[row], rows[f"{row}-resumed"]), convert_checker.judge(rows[row], rows[f"{row}-resumed"])))
     status = convert_checker.main([shown if name.endswith("pass.txt") else str(CONVERT_SOLUTION)])
     output = capsys.readouterr().out.replace(str(CONVERT_SOLUTION), shown)

@@ -6,8 +6,8 @@ the grader's lab 3 and lab 4 adapters; labs 6 and 8 run their solutions in their
 - the table, the JSON report, the points and the exit status, from rows made up for the purpose;
 - the adapters of labs 6 and 8 on the lab's output and records as the labs write them (a stand-in
   for the launch), and which parts they launch at all (none while a part's TODO still raises);
-- for real: every lecture exercise, graded from the untouched lecture notebooks (all fail) and from
-  the solutions notebooks (all pass), in ONE worker process; and the whole grader on the untouched
+- for real: every lecture exercise graded from the solutions notebooks (all pass) and lectures 1
+  and 2's untouched stubs (all fail), in ONE worker process; and the whole grader on the untouched
   starting files, where nothing is launched (every lab file is missing or still raises its TODOs)
   and the result is 0 points and exit status 1.
 """
@@ -158,17 +158,19 @@ def test_lab8_reads_the_fsdp_record_and_its_further_checks(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_lecture_exercises_untouched_fail_and_solutions_pass_in_one_worker():
-    """The grader's own path (each exercise cell swapped into its solutions notebook, then the check), for real."""
-    untouched, solved = grade.Sources().lectures(), grade.Sources(solutions=True).lectures()
-    plan = [(f"{name}-untouched", graded, solutions) for name, graded, solutions in untouched] + list(solved)
-    rows = grade.graded_lectures(plan)
+def test_lecture_exercises_solutions_pass_and_untouched_stubs_fail_in_one_worker():
+    """The grader's own path (each exercise cell swapped into its solutions notebook, then the check), for
+    real: every solutions notebook scores every point; lecture 1 and 2's untouched stubs (the two ways
+    the checks word "not done") score none. That every other lecture's stub makes its check say "not
+    solved yet" is tested with that lecture's exercises (tests/test_lecture0N_exercises.py)."""
+    untouched = [(f"{name}-untouched", graded, solved) for name, graded, solved in grade.Sources().lectures() if name in ("lecture1", "lecture2")]
+    rows = grade.graded_lectures([*grade.Sources(solutions=True).lectures(), *untouched])
     starters = [r for r in rows if r.exercise.endswith("-untouched")]
     solutions = [r for r in rows if not r.exercise.endswith("-untouched")]
-    assert len(starters) == len(solutions) >= 20
+    assert len(solutions) >= 20 and len(starters) == 5
+    assert all(r.status == "PASS" and r.reason.startswith("correct") for r in solutions), solutions
     # Lecture 2's checks word it their own way ("not done yet: complete the cell above ...").
     assert all(r.status == "FAIL" and r.reason.startswith(("not solved yet", "not done yet")) for r in starters), starters
-    assert all(r.status == "PASS" and r.reason.startswith("correct") for r in solutions), solutions
 
 
 def test_a_learners_cell_that_raises_or_hangs_fails_its_row_only(tmp_path, monkeypatch):
