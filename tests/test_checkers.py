@@ -326,6 +326,10 @@ def observe_lab3_rows(convert_checker, folder) -> dict:
         script.parent.mkdir()
         script.write_text(with_edits(CONVERT_SOLUTION.read_text(), edits))
         rows.update(conversion_rows(convert_checker, name, script))
+    # The solution with its defaults (8 epochs), as a learner trains it: the last row, observed lightly
+    # (the observer's default: 3 steps recorded). Alone, without the observer, it took 11.4 s on 2 ranks
+    # where the main job took 20.7 s (27 Nov 2026, 20:17 UTC); issue 30 asks for at most 30 s.
+    rows["trained"] = (CONVERT_SOLUTION, lambda out_dir: ["--save", out_dir / "model.pt"], {})
     return observe_rows.observe_in_one_launch(convert_checker.lab4, rows, folder, ROWS_TIMEOUT_S, nodes=convert_checker.NODES)
 
 
@@ -482,6 +486,17 @@ def test_two_spellings_made_from_the_solutions_runs(convert_checker, jobs, tmp_p
         assert all(line.startswith("PASS ") for other, line in verdicts.items() if other != number), verdicts
 
 
+@pytest.mark.timeout(700)
+def test_the_conversions_solution_learns_above_97_percent(jobs):
+    """labs/train_realistic.py converted (solutions/my_ddp.py), with its defaults on 2 CPU ranks: rank 0 alone
+    prints every epoch's accuracy on all 359 held-out images, and the last is at least 97%."""
+    result = jobs["rows3"].result()["trained"].run
+    assert result.ok, result.describe()
+    accuracies = re.findall(r"^epoch (\d+)/8: held-out accuracy (\d\.\d{4}) \((\d+)/359\)$", result.stdout, re.MULTILINE)
+    assert [int(epoch) for epoch, _, _ in accuracies] == list(range(1, 9)), result.stdout
+    assert float(accuracies[-1][1]) >= 0.97, result.stdout
+
+
 @pytest.mark.parametrize(
     ("script", "args", "expected"),
     [
@@ -549,6 +564,8 @@ def test_each_row_runs_with_its_own_checkers_observer_settings(checker, convert_
     lab3_steps = int(convert_checker.OBSERVER_ENV["LAB4_OBSERVE_STEPS"])
     for name, observation in jobs["rows"].result().items():
         assert observation.run.ok, observation.run.describe()
+        if name == "trained":  # the solution with its defaults, observed with lab 4's settings
+            continue
         lab3 = str(name).removesuffix("-resumed") in [*MISTAKES, "lab3-solution"]
         for rank in range(checker.WORLD_SIZE):
             steps = sum(event["kind"] == "step" for event in observation.events[rank])
