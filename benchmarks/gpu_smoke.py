@@ -14,10 +14,11 @@ The script prints one line per row - PASS or FAIL, wall time, the key figure (la
 at the largest message; lab 2: checks passed; lab 3: held-out accuracy; lab 4: the solution's
 accuracy; lab 5: samples/s and the communication fraction, and the sweep's scaling efficiency;
 lab 6: every from-scratch wrapper's check and BucketedDDP's step time against torch DDP's; lab 8: the
-check of DDP, the from-scratch FSDP and fully_shard, and FSDP's model state against DDP's; lab 7:
+check of DDP, the from-scratch FSDP and fully_shard, and FSDP's model state against DDP's; lab 9: every
+part's verdict and torch.cuda's peak per implementation; lab 7:
 accuracy after a checkpointed run and after a crash that torchrun restarted, and the Join scenario
 of the hang lab; lectures 4-6: what each script's report must show) - then `N passed, M failed`.
-Rows that need 2 ranks (min_ranks=2: the Join scenario, the 1,2 sweep) are skipped on a 1-GPU
+Rows that need 2 ranks (min_ranks=2: the Join scenario, the 1,2 sweep, labs 8 and 9) are skipped on a 1-GPU
 machine with a SKIP line. The exit status is 0 only when every row that ran passed. On a machine without a CUDA GPU it says
 so in one line and exits 0 (pytest covers the CPU path).
 
@@ -97,13 +98,27 @@ def lab6_figure(out: Path) -> str:
 
 
 def lab8_figure(out: Path) -> str:
-    """DDP, the from-scratch FSDP and fully_shard passed lab 8's check; FSDP's model state against DDP's."""
+    """DDP, the from-scratch FSDP and fully_shard passed lab 8's check (weights, bytes, gathering only around
+    use); FSDP's model state against DDP's."""
     records = {record["impl"]: record for record in read_json(out / "lab8.json")}
-    failed = sorted(impl for impl, record in records.items() if not record["check_passed"])
+    failed = sorted(impl for impl, record in records.items() if not record["passed"])
     if failed:
         raise KeyFigureError(f"check failed for {', '.join(failed)}")
     return (f"{len(records)}/{len(records)} impls match one process; model state vs DDP: fsdp {records['fsdp']['state_vs_ddp']:.2f}, "
             f"fully_shard {records['fully_shard']['state_vs_ddp']:.2f}")
+
+
+def lab9_figure(out: Path) -> str:
+    """Every part lab 9 ran passed; torch.cuda's peak per implementation beside the formula's; the snapshots."""
+    report = read_json(out / "lab9.json")
+    parts = [part for part in ("memory", "meta", "checkpoint", "clip", "hsdp", "resume") if part in report]
+    failed = [part for part in parts if not report[part]["passed"]]
+    if failed:
+        raise KeyFigureError(f"parts failed: {', '.join(failed)}")
+    if not sorted((out / "snapshots").glob("*.pickle")):
+        raise KeyFigureError("no memory snapshot in snapshots/")
+    peaks = ", ".join(f"{impl} {facts['cuda_peak_bytes'] / 2**20:.0f}" for impl, facts in report["memory"]["impls"].items())
+    return f"{len(parts)} parts passed ({', '.join(parts)}); torch.cuda peak MiB: {peaks}"
 
 
 def lab7_hangs_figure(out: Path) -> str:
@@ -233,10 +248,16 @@ LAB_RUNS = (
     LabRun("lab6", "labs/lab6_ddp_from_scratch.py",
            ("--module", "solutions", "--impl", "all", "--zero", "--check-steps", "3", "--warmup-steps", "1", "--steps", "2",
             "--repeats", "1", "--json", "{out}/lab6.json"), lab6_figure),
-    # Lab 8: torch DDP, the from-scratch FSDP and fully_shard (a DeviceMesh of every GPU) on NCCL.
+    # Lab 8: torch DDP, the from-scratch FSDP and fully_shard (a DeviceMesh of every GPU) on NCCL. Sharding
+    # over one rank shards nothing (the lab refuses it): 2+ GPUs.
     LabRun("lab8", "labs/lab8_fsdp.py",
            ("--module", "solutions", "--impl", "ddp", "--impl", "fsdp", "--impl", "fully_shard", "--check-steps", "2",
-            "--warmup-steps", "1", "--steps", "1", "--repeats", "1", "--json", "{out}/lab8.json"), lab8_figure),
+            "--warmup-steps", "1", "--steps", "1", "--repeats", "1", "--json", "{out}/lab8.json"), lab8_figure, min_ranks=2),
+    # Lab 9 on every GPU: its 4-rank parts (HSDP, resuming) run where the GPU count is even and 4 or more, and say
+    # "skipped" otherwise; the memory part writes a torch.cuda memory snapshot per implementation.
+    LabRun("lab9", "labs/lab9_fsdp_practice.py",
+           ("--json", "{out}/lab9.json", "--checkpoint-dir", "{out}/checkpoints", "--snapshot-dir", "{out}/snapshots"), lab9_figure,
+           min_ranks=2),
     # Lecture 7's demos, one rank per GPU (NCCL, cuda:LOCAL_RANK); its 2-rank numbers use ranks 0-1, so 2+ GPUs.
     LabRun("lecture7_sharding", "lectures/scripts/sharding_demos.py",
            ("--json", "{out}/report.json", "--checkpoint-dir", "{out}/checkpoint"), lecture7_figure, min_ranks=2),

@@ -259,17 +259,19 @@ def import_script(path: str | Path, name: str | None = None):
 
 
 class SheetJobs:
-    """The torchrun jobs of a lab sheet: one temporary folder for their files, a few running at once.
+    """The jobs of a notebook: one temporary folder for their files, a few running at once, each with a timeout.
 
     A sheet starts the jobs it needs in its first code cell and reads each one where it teaches from
     it, so the reader never waits for process start-up (several seconds of torch imports per rank):
 
         jobs = SheetJobs("lab2_sheet_")                          # jobs.out: a fresh temporary folder
         two = jobs.start(LAB2, "--json", jobs.out / "two.json")  # returns at once; two.result() waits
+        alone = jobs.start(LAB2, "--resume", nproc=1, after=two) # starts once `two` has ended (its files)
         report = jobs.read_json("two.json")                      # after two.result()
 
-    Jobs beyond `at_once` queue: on a few CPU cores more jobs at once only slow each other down. Every
-    job gets run_torchrun's timeout, so a sheet never hangs; arguments may be paths or numbers.
+    Jobs beyond `at_once` queue, in the order started: on a few CPU cores more jobs at once only slow
+    each other down. Every job gets a timeout (run_torchrun's), so a sheet never hangs; arguments may
+    be paths or numbers.
     """
 
     def __init__(self, prefix: str, nproc: int = 2, use_gpus: bool = False, timeout_s: float = 180, at_once: int = 3):
@@ -280,26 +282,87 @@ class SheetJobs:
         self.nproc, self.use_gpus, self.timeout_s = nproc, use_gpus, timeout_s
         self._pool = ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="sheet_job")
 
-    def start(self, script: str | Path, *args, nproc: int | None = None) -> "Future[RunResult]":
-        """torchrun --standalone --nproc_per_node=nproc script args... in the background; `.result()` waits."""
-        return self._pool.submit(self.run, script, *args, nproc=nproc)
+    def start(self, script: str | Path, *args, nproc: int | None = None, after: "Future | None" = None, **options) -> "Future[RunResult]":
+        """torchrun --standalone --nproc_per_node=nproc script args... in the background; `.result()` waits.
 
-    def run(self, script: str | Path, *args, nproc: int | None = None) -> RunResult:
+        after: a job started earlier that this one must wait for (it reads that job's files). options:
+        run_torchrun's own (env, torchrun_args, timeout_s), for this job only."""
+        return self._pool.submit(_after, after, self.run, script, *args, nproc=nproc, **options)
+
+    def run(self, script: str | Path, *args, nproc: int | None = None, **options) -> RunResult:
         """The same job, now: returns when it has ended (or was killed at the timeout)."""
-        return run_torchrun(script, [str(arg) for arg in args], nproc=nproc or self.nproc, timeout_s=self.timeout_s,
-                            use_gpus=self.use_gpus)
+        options = {"timeout_s": self.timeout_s, "use_gpus": self.use_gpus, **options}
+        return run_torchrun(script, [str(arg) for arg in args], nproc=nproc or self.nproc, **options)
 
-    def start_command(self, *command) -> "Future[RunResult]":
-        """A command that is not a torchrun launch (lab 5's sweep driver, which launches torchrun itself), in
-        the same queue and with the same timeout; `.result()` waits."""
-        return self._pool.submit(run_command, [str(part) for part in command], timeout_s=self.timeout_s, use_gpus=self.use_gpus)
+    def start_command(self, *command, after: "Future | None" = None, **options) -> "Future[RunResult]":
+        """A command that is not a torchrun launch (`python script.py`, or lab 5's sweep driver, which launches
+        torchrun itself), in the same queue and with the same timeout; `.result()` waits."""
+        options = {"timeout_s": self.timeout_s, "use_gpus": self.use_gpus, **options}
+        return self._pool.submit(_after, after, run_command, [str(part) for part in command], **options)
 
     def read_json(self, name: str):
         """A JSON file a job wrote into self.out (its --json report, say)."""
         return json.loads((self.out / name).read_text())
 
 
+def _after(earlier: "Future | None", function, *args, **kwargs):
+    """Wait for an earlier job, then run. The earlier one was queued first, so it holds a thread or has ended."""
+    if earlier is not None:
+        earlier.result()
+    return function(*args, **kwargs)
+
+
 def verdict_lines(stdout: str, leave_out: tuple[str, ...] = ()) -> list[str]:
     """The PASS / FAIL / SKIP lines of a lab's output, in order, without those that mention a leave_out word."""
     return [line for line in stdout.splitlines()
             if line[:4] in ("PASS", "FAIL", "SKIP") and not any(word in line for word in leave_out)]
+
+
+# --- reading what a job printed ------------------------------------------------------------------
+
+
+def lines_by_rank(text: str) -> dict[int, list[str]]:
+    """{rank: its lines, in order} from the "[rank r] ..." lines of a job's output (ddp_course.distributed.log)."""
+    import re
+
+    lines: dict[int, list[str]] = {}
+    for rank, line in re.findall(r"^\[rank (\d+)\] (.*)$", text, flags=re.MULTILINE):
+        lines.setdefault(int(rank), []).append(line)
+    return dict(sorted(lines.items()))
+
+
+def rank_errors(stderr: str) -> list[str]:
+    """The distinct exceptions a torchrun job's ranks printed ("[rankN]: SomeError: ..."), sorted, without
+    the source-file prefix gloo puts in front of its messages ("[../gloo/transport/...] ")."""
+    import re
+
+    found = re.findall(r"^\[rank\d+\]: (\w+(?:Error|Exception): .*)$", stderr, flags=re.MULTILINE)
+    return sorted({re.sub(r"\[[^\]]*\]\s*", "", line) for line in found})
+
+
+def detail_mismatches(text: str) -> dict[int, tuple[int, str]]:
+    """{rank: (position of its collective in its sequence, from 0; the collective's type)} from the
+    "Detected mismatch between collectives" reports of TORCH_DISTRIBUTED_DEBUG=DETAIL: each rank's report
+    starts with its own collective (what it says about its peer is the checker's own exchange)."""
+    import re
+
+    own = re.compile(r"\[rank (\d+)\] Detected mismatch.*?Rank \d+ is running collective: "
+                     r"CollectiveFingerPrint\(SequenceNumber=(\d+),? ?OpType=(\w+)")  # fmt: skip
+    return {int(rank): (int(position), operation) for rank, position, operation in sorted(own.findall(text))}
+
+
+def copy_with_line_after(script: str | Path, anchor: str, line: str, folder: str | Path) -> Path:
+    """Write a copy of script into folder with `line` inserted after the one line that equals `anchor`.
+
+    How a sheet adds a logging probe to a script without editing it. ValueError when the anchor is not
+    exactly one line of the script (the script changed: the probe would go to the wrong place).
+    """
+    script = Path(script)
+    lines = script.read_text().splitlines(keepends=True)
+    matches = [index for index, text in enumerate(lines) if text.rstrip("\n") == anchor.rstrip("\n")]
+    if len(matches) != 1:
+        raise ValueError(f"{script.name}: the anchor line occurs {len(matches)} times, not once: {anchor.strip()!r}")
+    lines.insert(matches[0] + 1, line if line.endswith("\n") else line + "\n")
+    copy = Path(folder) / script.name
+    copy.write_text("".join(lines))
+    return copy

@@ -1,9 +1,9 @@
 """Lecture 6's helpers: the checkpoint-interval model and its calculator, and the exercise checks.
 
-The model (lecture 6, section 4): a segment is tau seconds of work followed by a checkpoint of C
-seconds; failures arrive as a Poisson process with mean time between failures M (the whole job's);
-a failure costs the time spent in the segment so far plus a restart of R seconds, and the segment
-starts over. Then
+The model (lecture 6, section 4; derived in section 7.2): a segment is tau seconds of work followed by
+a checkpoint of C seconds; failures arrive as a Poisson process with mean time between failures M
+(the whole job's); a failure costs the time spent in the segment so far plus a restart of R seconds,
+and the segment starts over. Then
 
     E[segment] = (M + R) (exp((tau + C) / M) - 1),   waste(tau) = E[segment] / tau - 1.
 

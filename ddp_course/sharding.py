@@ -3,6 +3,10 @@
     storage_bytes(tensors)              bytes of the distinct storages behind some tensors (a DTensor: its shard)
     model_state_bytes(params, opt)      this rank's parameters, gradients and optimizer state, in bytes
     count_collectives(*modules)         a context manager recording every torch.distributed collective's payload
+    at_module_boundaries(model, sample) a context manager calling sample(label) at every module's entry and exit
+                                        in forward and before its backward: where an FSDP's memory changes
+    StepWatch(sources)                  bytes per category (each storage once) sampled at those points of a step
+    cuda_peak(device)                   torch.cuda's peak allocation during a block, less what was allocated before
     predicted_bytes_per_step(...)       the bytes one rank sends per step under each stage (lecture 2's ring costs)
     predicted_state_bytes(...)          the model state one rank keeps under each stage, with Adam in float32
 
@@ -21,20 +25,24 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-# torch.distributed's name -> the kind of collective, and where its full payload S is among the arguments
-# (position, keyword): all-reduce's and broadcast's tensor, all-gather's output, reduce-scatter's input.
+# torch.distributed's name -> the kind of collective, where its full payload S is among the arguments
+# (position, keyword: all-reduce's and broadcast's tensor, all-gather's output, reduce-scatter's input),
+# and the position of its `group` argument (it may also come as a keyword).
 COLLECTIVES = {
-    "all_reduce": ("all_reduce", 0, "tensor"),
-    "broadcast": ("broadcast", 0, "tensor"),
-    "all_gather": ("all_gather", 0, "tensor_list"),  # the output is a list of N tensors
-    "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
-    "all_gather_single": ("all_gather", 0, "output_tensor"),  # torch 2.14's name for all_gather_into_tensor
-    "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
-    "reduce_scatter_single": ("reduce_scatter", 1, "input"),  # torch 2.14's name for reduce_scatter_tensor
+    "all_reduce": ("all_reduce", 0, "tensor", 2),
+    "broadcast": ("broadcast", 0, "tensor", 2),
+    "all_gather": ("all_gather", 0, "tensor_list", 2),  # the output is a list of N tensors
+    "all_gather_into_tensor": ("all_gather", 0, "output_tensor", 2),
+    # torch 2.14.1 names them all_gather_single / reduce_scatter_single; the old names still work and warn
+    # (torch/distributed/distributed_c10d.py: all_gather_into_tensor is @deprecated, line 5176 of 2.14.1).
+    "all_gather_single": ("all_gather", 0, "output_tensor", 2),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input", 3),
+    "reduce_scatter_single": ("reduce_scatter", 1, "input", 3),
 }
 RING_FACTOR = {  # wire bytes per rank = factor(N) x S
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -97,9 +105,11 @@ def _payload_bytes(value) -> int:
 
 @dataclass
 class CollectiveCounter:
-    """Collectives recorded by count_collectives(): calls is a list of (kind, S bytes), in call order."""
+    """Collectives recorded by count_collectives(): calls is a list of (kind, S bytes), in call order, and
+    groups the ranks of each call's process group (a tuple of global ranks, in the same order)."""
 
     calls: list[tuple[str, int]] = field(default_factory=list)
+    groups: list[tuple[int, ...]] = field(default_factory=list)
 
     def bytes_by_kind(self) -> dict[str, int]:
         """{kind: total payload S in bytes} over the recorded calls."""
@@ -112,12 +122,22 @@ class CollectiveCounter:
         """Bytes each rank sends for the recorded calls, by the ring costs (module docstring)."""
         return sum(RING_FACTOR[kind](world_size) * size for kind, size in self.calls)
 
+    def wire_bytes_by_group(self) -> dict[tuple[int, ...], float]:
+        """{ranks of a process group: bytes each of its ranks sends}, each call by its own group's size: on a
+        2-D mesh, what travels inside a group of ranks (a node) and what travels between groups."""
+        found: dict[tuple[int, ...], float] = {}
+        for (kind, size), ranks in zip(self.calls, self.groups):
+            found[ranks] = found.get(ranks, 0.0) + RING_FACTOR[kind](len(ranks)) * size
+        return found
 
-def _counting(kind: str, position: int, keyword: str, real, counter: CollectiveCounter):
+
+def _counting(kind: str, position: int, keyword: str, group_position: int, real, counter: CollectiveCounter):
     @functools.wraps(real)
     def wrapper(*args, **kwargs):
         payload = args[position] if len(args) > position else kwargs[keyword]
+        group = args[group_position] if len(args) > group_position else kwargs.get("group")
         counter.calls.append((kind, _payload_bytes(payload)))
+        counter.groups.append(tuple(dist.get_process_group_ranks(group or dist.group.WORLD)))
         return real(*args, **kwargs)
 
     return wrapper
@@ -138,8 +158,11 @@ def count_collectives(*modules):
     c10d's all_gather_single, counts once.
 
     What it sees in torch 2.14.1:
-    - fully_shard (FSDP2) calls dist.all_gather_single / dist.reduce_scatter_single through the
-      torch.distributed module (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): seen.
+    - fully_shard (FSDP2) calls dist.all_gather_single(...) and dist.reduce_scatter_single(output=...,
+      input=...) through the torch.distributed module (read in the 2.14.1 wheel:
+      torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, DefaultAllGather.__call__ line 119 and
+      DefaultReduceScatter.__call__ line 184; releases before 2.14 call all_gather_into_tensor /
+      reduce_scatter_tensor, which COLLECTIVES counts too): seen.
     - torch's DistributedDataParallel all-reduces its buckets inside its C++ Reducer: NOT seen. To count
       DDP, register a Python comm hook that does the same all-reduce through dist.all_reduce:
       ddp.register_comm_hook(None, torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook)
@@ -207,3 +230,111 @@ def predicted_state_bytes(stage: str, sharded_bytes: float, replicated_bytes: fl
     if stage in per_element:
         return per_element[stage] * everything
     return 4 / n * sharded_bytes + 4 * replicated_bytes
+
+
+@contextmanager
+def at_module_boundaries(model: torch.nn.Module, sample: Callable[[str], None], modules=None):
+    """Call sample(label) wherever an FSDP gathers or frees weights: at the entry of every module's forward
+    ("forward > name"), at its exit ("forward < name"), and in backward when the gradient of its output is
+    ready, just before its own backward runs ("backward > name").
+
+    modules: the (name, module) pairs to watch (default: model.named_modules()). The hooks are registered
+    after any the model already has, so an FSDP's own hooks run first: a pre-hook here sees the weights its
+    pre-hook gathered, an exit hook sees what its forward hook freed, and the gradient hook sees what its
+    backward pre-hook gathered again. Removed on exit. Reads only sizes: nothing is allocated or copied.
+    """
+    handles = []
+
+    def watch_output(name):
+        def hook(module, inputs, output):
+            sample(f"forward < {name}")
+            for tensor in output if isinstance(output, (tuple, list)) else [output]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(lambda grad: sample(f"backward > {name}"))
+
+        return hook
+
+    for name, module in modules if modules is not None else model.named_modules():
+        name = name or "model"
+        handles.append(module.register_forward_pre_hook(lambda module, inputs, name=name: sample(f"forward > {name}")))
+        handles.append(module.register_forward_hook(watch_output(name)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _new_storage_bytes(tensors, seen: set) -> int:
+    """Bytes of the storages behind `tensors` not yet in `seen` (then added to it); freed storages count 0."""
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = _local(tensor).untyped_storage()
+        key = (storage.device, storage.data_ptr())
+        if storage.nbytes() > 0 and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+class StepWatch:
+    """What one rank holds during a training step, by category, sampled where it can change.
+
+        watch = StepWatch({"weights": lambda: optimizer_params, "gathered": lambda: full_weights_now})
+        with watch.during(model, wrapper):   # every module boundary (at_module_boundaries) and "after forward"
+            training_step()
+        watch.peak(), watch.peak("gathered"), watch.at("after forward")
+
+    sources: {category: a function returning the tensors of that category now}. A storage is counted once,
+    in the first category (in the dict's order) that lists it, so a view or a tied weight never counts
+    twice. Sizes only: sampling allocates and copies nothing.
+    """
+
+    def __init__(self, sources: dict):
+        self.sources = sources
+        self.samples: list[tuple[str, dict[str, int]]] = []  # (label, {category: bytes}), in step order
+
+    def sample(self, label: str) -> None:
+        seen: set = set()
+        self.samples.append((label, {category: _new_storage_bytes(source(), seen) for category, source in self.sources.items()}))
+
+    @contextmanager
+    def during(self, model: torch.nn.Module, wrapper: torch.nn.Module | None = None, modules=None):
+        """Sample at every module boundary of `model` while the block runs, and once more when the outermost
+        module (`wrapper`, e.g. the FSDP or DDP around `model`) has finished its forward: "after forward"."""
+        with at_module_boundaries(model, self.sample, modules):  # first, so that "after forward" comes last
+            outer = (wrapper or model).register_forward_hook(lambda module, inputs, output: self.sample("after forward"))
+            try:
+                yield self
+            finally:
+                outer.remove()
+
+    def total(self, sample: dict[str, int], categories=None) -> int:
+        return sum(size for category, size in sample.items() if categories is None or category in categories)
+
+    def peak(self, *categories: str) -> int:
+        """The largest total over the samples of these categories (all if none given)."""
+        return max(self.total(sizes, categories or None) for _, sizes in self.samples)
+
+    def at(self, label: str) -> dict[str, int]:
+        """The last sample with this label."""
+        return next(sizes for found, sizes in reversed(self.samples) if found == label)
+
+
+@contextmanager
+def cuda_peak(device: torch.device):
+    """Yields a dict whose "bytes" is, after the block, torch.cuda.max_memory_allocated during it less what
+    was allocated when it began (what other models hold stays out); None on a CPU device.
+    GPU track: written with care, NOT YET RUN on a GPU."""
+    found = {"bytes": None}
+    if device.type != "cuda":
+        yield found
+        return
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    yield found
+    torch.cuda.synchronize(device)  # kernels still running may allocate: wait before reading the peak
+    found["bytes"] = torch.cuda.max_memory_allocated(device) - before

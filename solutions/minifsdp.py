@@ -36,23 +36,33 @@ Units: what travels in one message. FSDP(module, units=[block, ...]) makes each 
 units=None every module that owns a weight matrix is its own unit. A unit's sharded parameters are
 communicated together: its slices are concatenated into one all-gather and its gradients into one
 reduce-scatter. On gloo every message pays a fixed latency (lecture 2's alpha), so one message per
-transformer block instead of one per matrix is what makes this FSDP as fast as torch's (lab 8, section 6).
+transformer block instead of one per matrix is what makes this FSDP as fast as torch's on CPU (lab 8,
+section 6) - where torch's hides nothing either: fully_shard issues its collectives with async_op=False
+and CPU streams are no-ops, so they block as ours do. On GPUs fully_shard overlaps them with compute
+(separate CUDA streams, the next unit's all-gather issued early); this FSDP would lose there.
 
-How the full weights appear and vanish, per unit:
-- a forward pre-hook gathers the unit's weights into one padded "full" tensor per parameter (a leaf that
-  requires grad) and shows every module of the unit a view of its real rows; a forward hook frees the
-  storage (resize to 0 bytes). Autograd keeps its reference to the freed tensor for backward;
-- a hook on the unit's outputs runs when their gradient is ready, just before the unit's own backward:
-  it gathers the weights again into the same storage, so autograd finds the values it saved;
-- when autograd has accumulated the gradient of every full tensor of the unit (post-accumulate-grad hooks:
-  after every use, so a tied weight counts once), the unit's gradients are reduce-scattered in one message
-  into the slices' .grad and freed. One-dimensional parameters are averaged in one all-reduce at the end.
+What must hold, per unit (how, and why that way, is in the comments of the solution's code; the
+exercise labs/minifsdp.py asks it as one design question per part):
+- when the unit's forward starts, its weights are gathered into one padded "full" tensor per parameter
+  (a leaf that requires grad), and every module of the unit computes with a view of its real rows; when
+  the forward ends they are freed - but the tensor objects, which autograd keeps for backward, stay;
+- before autograd computes the unit's backward, the weights are gathered again into the same tensors,
+  so autograd finds the values it saved;
+- once autograd has the complete gradient of every full tensor of the unit (a tied weight: of every use),
+  the unit's gradients are reduce-scattered in one message into the slices' .grad and freed.
+  One-dimensional parameters are averaged in one all-reduce at the end.
 
-compute_dtype (e.g. torch.float16) is the dtype of the full weights: the slices are cast before the
-all-gather (half the bytes on the wire) and forward and backward run on them. Master weights (the
-slices), their gradients, the replicated parameters and the optimizer step stay float32. Replicated
-parameters are NOT cast: a layer that adds a float32 bias to a float16 matrix product (nn.Linear with
-bias) then fails with a dtype error - use bias-free linears with compute_dtype, or keep it None.
+compute_dtype (torch.bfloat16, or float16) is the dtype of the full weights: the slices are cast before
+the all-gather (half the bytes on the wire) and forward and backward run on them. Master weights (the
+slices), their gradients, the replicated parameters and the optimizer step stay float32. What it does
+NOT do, unlike fully_shard's MixedPrecisionPolicy: cast the inputs (cast_forward_inputs) - a model whose
+first layer is a Linear gets float32 inputs against float16 weights, so cast them yourself or start with
+an embedding; cast the replicated parameters - a layer that adds a float32 bias to a float16 matrix
+product (nn.Linear with bias) fails with a dtype error, so use bias-free linears; scale the loss - with
+float16, small gradients underflow without a gradient scaler, so prefer bfloat16 (float16's exponent
+range is the reason lecture 5b pairs it with GradScaler). Tested on CPU only, with float16 matrices and
+float32 LayerNorms (tests/scripts/minifsdp_check.py); CUDA's support for layer_norm on mixed dtypes has
+varied across releases: the compute_dtype path is NOT YET RUN on a GPU.
 
 Limits, on purpose: no prefetching and no overlap (every collective blocks); every rank must run the
 same graph (same units in the same order: they meet at every gather); a module must use a weight only
@@ -63,7 +73,10 @@ NCCL: every collective's tensors are on the parameters' device; put the model on
 Written for NCCL with care but run only on gloo/CPU so far.
 
 The exercise labs/minifsdp.py is generated from this file (python -m ddp_course.exercises): each region
-marked BEGIN SOLUTION ... END SOLUTION becomes a raise NotImplementedError carrying its TODO.
+marked BEGIN SOLUTION ... END SOLUTION becomes a raise NotImplementedError carrying its TODO, which says
+what must hold afterwards (one design question per part). After a first attempt, solutions/lab8_hints.md
+has a nudge per part and a step-by-step recipe per TODO; `torchrun --standalone --nproc_per_node=2
+labs/lab8_fsdp.py --part K` checks parts 1 to K.
 """
 
 from __future__ import annotations
@@ -74,8 +87,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# torch 2.14 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
-# reduce_scatter_single (the old names still work, with a FutureWarning); same arguments, same collective.
+# torch 2.14 names them all_gather_single / reduce_scatter_single; all_gather_into_tensor and
+# reduce_scatter_tensor still work there with a FutureWarning (torch/distributed/distributed_c10d.py of
+# 2.14.1: all_gather_into_tensor is @deprecated, line 5176), and are the only names before 2.14.
+# Same arguments, same collective; fully_shard calls the new names in 2.14.1 (_fsdp_collectives.py).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -88,8 +103,12 @@ def rows_per_rank(rows: int, world_size: int) -> int:
 def shard_rows(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """This rank's slice of `full` along dimension 0, zero-padded to rows_per_rank rows (a new float32 tensor)."""
     # BEGIN SOLUTION
-    # TODO(lab 8, part 1): take per = rows_per_rank(full.shape[0], world_size); return a float32 tensor of shape
-    #   (per, *full.shape[1:]) holding rows rank*per ... rank*per+per-1 of full, zeros where full has no such row
+    # TODO(lab 8, part 1): return this rank's slice of full: rows [rank * per, (rank + 1) * per) with
+    #   per = rows_per_rank(rows, world_size), as a new float32 tensor of exactly per rows (zeros where full
+    #   has no such row). Design question: why must every rank's slice have the same number of rows, even
+    #   when world_size does not divide the rows?
+    # Every slice has per rows: all_gather_single takes equal parts from every rank and lays them end to
+    # end, so the gathered buffer IS the padded matrix, row for row, and the padding sits at its end.
     per = rows_per_rank(full.shape[0], world_size)
     shard = torch.zeros(per, *full.shape[1:], dtype=torch.float32, device=full.device)
     mine = full.detach()[rank * per : (rank + 1) * per]  # fewer than per rows (or none) at the end
@@ -135,7 +154,7 @@ class ShardGroup:
         self.params = params
         self.world_size = world_size
         self.slice_sizes = [handle.shard.numel() for handle in params]
-        self.users = 0  # units between their forward pre-hook and forward hook (nesting, tied weights)
+        self.users = 0  # for _before_forward / _after_forward's bookkeeping, if you want it (part 2)
         self.gradients_pending = {h for h in params if h.full.requires_grad}  # not yet accumulated this step
 
     @property
@@ -147,11 +166,11 @@ class ShardGroup:
         if self.gathered:
             return
         # BEGIN SOLUTION
-        # TODO(lab 8, part 2): resize each handle's full.untyped_storage() to its full_bytes; concatenate the slices
-        #   (detached, cast to the full tensors' dtype, flat) into one tensor; all_gather_single it into a new flat
-        #   tensor of world_size times its size; then copy each parameter's column block (see the class docstring)
-        #   into handle.full.data viewed as (world_size, -1). Write through .data: autograd saved the full tensor
-        #   in forward and must not see this refill as a modification
+        # TODO(lab 8, part 2): afterwards every handle.full holds the whole (padded) weight, in its own dtype,
+        #   built from every rank's slice by ONE collective for the whole group (the class docstring gives the
+        #   layout). Autograd may have saved handle.full in forward: it must not see this refill as a change.
+        # The storage grows back to its size (release() shrank it to 0 bytes); writing through .data keeps
+        # autograd's version counter still, so the tensor it saved is "unchanged" when backward reads it.
         for handle in self.params:
             handle.full.untyped_storage().resize_(handle.full_bytes)
         dtype = self.params[0].full.dtype  # the cast halves the bytes sent for float16
@@ -166,13 +185,15 @@ class ShardGroup:
     def release(self) -> None:
         """Free the full tensors' memory; the tensor objects (and autograd's references to them) stay."""
         # BEGIN SOLUTION
-        # TODO(lab 8, part 2): resize each handle's full.untyped_storage() to 0 bytes
+        # TODO(lab 8, part 2): afterwards the full tensors hold no memory; the tensor objects, which autograd may
+        #   keep for backward, stay.
         for handle in self.params:
             handle.full.untyped_storage().resize_(0)
         # END SOLUTION
 
     def gradient_ready(self, handle: ShardedParameter) -> None:
-        """Post-accumulate-grad hook of handle.full: once every trainable full tensor has its gradient, reduce-scatter."""
+        """Called once per backward for each trainable handle whose gradient is complete (FSDP._prepare_backward
+        arranges it); when the last of the group has reported, the group reduce-scatters."""
         self.gradients_pending.discard(handle)
         if not self.gradients_pending:
             self.reduce_scatter()
@@ -182,11 +203,12 @@ class ShardGroup:
         then free the full tensors. A trainable parameter without a gradient this step counts as zeros."""
         trainable = [handle for handle in self.params if handle.full.requires_grad]
         # BEGIN SOLUTION
-        # TODO(lab 8, part 3): for each trainable handle, its full.grad (zeros if None) as float32 viewed as
-        #   (world_size, -1), divided by world_size (then the sum is the average); concatenate them along dim 1
-        #   (the gather's layout), reduce_scatter_single it (flat) into a new flat float32 tensor of the slices'
-        #   total size, and set or add each handle's part (viewed like handle.shard) to handle.shard.grad. Then
-        #   every full.grad = None, self.release()
+        # TODO(lab 8, part 3): afterwards each trainable handle's shard.grad is (or, if it had one, has been
+        #   increased by) this rank's rows of the AVERAGE over ranks of handle.full.grad, in float32 (a handle
+        #   without a gradient counts as zeros), for the whole group in ONE reduce-scatter; then every
+        #   full.grad and the full tensors' memory are freed.
+        # Divided by world_size first, so the reduce-scatter's sum is the average; laid out as the gather is
+        # (row r of the (world_size, -1) view is what rank r receives).
         gradients = [
             (h.full.grad if h.full.grad is not None else torch.zeros_like(h.full)).to(torch.float32) for h in trainable
         ]
@@ -230,6 +252,7 @@ class FSDP(nn.Module):
         # groups those handles belong to (its own, and another unit's for a weight tied across units).
         self._uses: dict[nn.Module, list[tuple[nn.Module, str, ShardedParameter]]] = {}
         self._groups_of: dict[nn.Module, list[ShardGroup]] = {}
+        self._backward_prepared = False  # for _prepare_backward, if you want it (part 3)
         self._shard_parameters(self._units(units))
         for unit in self._uses:
             unit.register_forward_pre_hook(self._before_forward)
@@ -275,10 +298,6 @@ class FSDP(nn.Module):
                 self.sharded[handle.shard] = handle
                 self._uses.setdefault(unit, []).append((owner, name, handle))
         groups = {unit: ShardGroup(params, self.world_size) for unit, params in members.items() if params}
-        for group in groups.values():
-            for handle in group.params:
-                if handle.full.requires_grad:
-                    handle.full.register_post_accumulate_grad_hook(lambda _, h=handle, g=group: g.gradient_ready(h))
         for unit, uses in self._uses.items():
             needed = []
             for _, _, handle in uses:
@@ -289,16 +308,22 @@ class FSDP(nn.Module):
         self.groups = list(groups.values())
 
     def forward(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
+        output = self.module(*inputs, **kwargs)  # the units' hooks gather and free around their forward
+        if torch.is_grad_enabled():  # a backward may follow (under no_grad, none can)
+            self._prepare_backward()
+        return output
 
     # --- forward: gather, use, free ---------------------------------------------------------------------
 
     def _before_forward(self, unit: nn.Module, inputs) -> None:
         """Forward pre-hook: gather the unit's weights and show its modules the full ones in place of the slices."""
         # BEGIN SOLUTION
-        # TODO(lab 8, part 2): for each group in self._groups_of[unit]: group.gather() and count group.users += 1.
-        #   Then for each (owner, name, handle) in self._uses[unit]: owner.__dict__[name] = handle.unpadded_view() -
-        #   an entry in the instance __dict__ is found before nn.Module.__getattr__ looks in owner._parameters
+        # TODO(lab 8, part 2): afterwards every group the unit uses is gathered, and every module of the unit
+        #   finds the full weight (handle.unpadded_view()) under the parameter's name instead of the slice.
+        #   Design question: units nest (the root's forward runs around the blocks') and a weight can be shared
+        #   between units - how will _after_forward know whether it may free a group?
+        # Count the units inside their forward per group: _after_forward frees a group when the count is 0.
+        # An entry in the instance __dict__ is found before nn.Module.__getattr__ looks in owner._parameters.
         for group in self._groups_of[unit]:
             group.gather()
             group.users += 1
@@ -309,10 +334,11 @@ class FSDP(nn.Module):
     def _after_forward(self, unit: nn.Module, inputs, output):
         """Forward hook: hide and free the full weights; arrange for them to be gathered again in backward."""
         # BEGIN SOLUTION
-        # TODO(lab 8, part 2): remove owner.__dict__[name] for each use of the unit; for each of its groups count
-        #   group.users -= 1 and group.release() when it reaches 0. Then, for every tensor in output (a tensor,
-        #   or a tuple/list of them) that requires grad, tensor.register_hook(lambda grad:
-        #   self._before_backward(unit))
+        # TODO(lab 8, part 2): afterwards the unit's modules find their slices again; a group's full weights
+        #   are freed unless a unit still inside its forward uses them; and self._before_backward(unit) will
+        #   run before autograd computes this unit's backward (its weights must be back by then).
+        # The unit's backward starts when the gradient of its output is ready: a hook on each output tensor
+        # runs exactly then (a module's register_full_backward_pre_hook would do too).
         for owner, name, _ in self._uses[unit]:
             owner.__dict__.pop(name, None)  # a module used twice in the unit appears twice
         for group in self._groups_of[unit]:
@@ -328,11 +354,31 @@ class FSDP(nn.Module):
     # --- backward: gather again; the groups reduce-scatter themselves ------------------------------------
 
     def _before_backward(self, unit: nn.Module) -> None:
-        """Runs when the gradient of the unit's output is ready, before the unit's backward needs its weights."""
+        """Runs before autograd computes the unit's backward (_after_forward arranges it)."""
         # BEGIN SOLUTION
-        # TODO(lab 8, part 3): group.gather() for each group the unit uses (gather() skips one already there)
+        # TODO(lab 8, part 3): afterwards every group the unit uses is gathered again: autograd is about to
+        #   read the full weights it saved in forward.
         for group in self._groups_of[unit]:
-            group.gather()
+            group.gather()  # returns at once for a group still gathered (tied to a unit already here)
+        # END SOLUTION
+
+    def _prepare_backward(self) -> None:
+        """Runs at the end of every forward that records a graph (FSDP.forward), before its backward."""
+        # BEGIN SOLUTION
+        # TODO(lab 8, part 3): from now on, in every backward, group.gradient_ready(handle) must run exactly
+        #   once for each trainable handle of each group, after handle.full.grad holds the gradient of EVERY
+        #   use of that weight in the step. Design question: the tied embedding is used twice (by the embedding
+        #   and by the head, perhaps in two units) - how do you know when its gradient is complete?
+        # Not at its first use's backward: autograd adds the second use's gradient into the same leaf later.
+        # A post-accumulate-grad hook runs once per backward per leaf, after every use has been accumulated
+        # into .grad (torch.Tensor.register_post_accumulate_grad_hook). Registered once, at the first forward.
+        if self._backward_prepared:
+            return
+        self._backward_prepared = True
+        for group in self.groups:
+            for handle in group.params:
+                if handle.full.requires_grad:
+                    handle.full.register_post_accumulate_grad_hook(lambda _, h=handle, g=group: g.gradient_ready(h))
         # END SOLUTION
 
     def finish_gradient_synchronization(self) -> None:
@@ -347,9 +393,8 @@ class FSDP(nn.Module):
                         handle.shard.grad = torch.zeros_like(handle.shard)
             group.release()  # frozen weights gathered again for backward have no gradient hook to free them
         # BEGIN SOLUTION
-        # TODO(lab 8, part 3): average the .grad of every trainable parameter in self.replicated over the ranks (a
-        #   missing .grad counts as zeros) with ONE dist.all_reduce of their concatenation, then give each parameter
-        #   its part back as .grad - one message instead of one per bias or norm gain
+        # TODO(lab 8, part 3): afterwards every trainable parameter in self.replicated has a .grad holding the
+        #   average over ranks (a missing .grad counts as zeros), sent in ONE all-reduce for all of them.
         trainable = [param for param in self.replicated if param.requires_grad]
         if not trainable:
             return
@@ -373,9 +418,8 @@ class FSDP(nn.Module):
                 full[name] = param.detach().clone()
                 continue
             # BEGIN SOLUTION
-            # TODO(lab 8, part 1): all_gather_single the float32 slice (param, detached, flat) into a new flat tensor
-            #   of world_size * param.numel() elements, view it as (-1, *param.shape[1:]) and keep its first
-            #   self.sharded[param].shape[0] rows (the padding is dropped)
+            # TODO(lab 8, part 1): full[name] = the whole float32 weight: every rank's slice of it, in rank
+            #   order, without the padding rows (a collective: every rank runs this, in the same order).
             gathered = torch.empty(self.world_size * param.numel(), dtype=param.dtype, device=param.device)
             all_gather_single(gathered, param.detach().reshape(-1))
             full[name] = gathered.view(-1, *param.shape[1:])[: self.sharded[param].shape[0]]

@@ -25,24 +25,33 @@ def run_lab3():
 
 SHARDING_CHECKS = REPO_ROOT / "tests" / "scripts" / "sharding_checks.py"
 MINDDP_SUITE_ON = {2: "wrappers", 4: "zero"}  # world size -> the minddp suite that runs there
+# world size -> lab 9's parts that run there: its 4-rank parts (HSDP, resuming on another world size) at 4,
+# and the model no rank builds whole (a quarter per rank shows it best); the memory timeline at both (the
+# predicted peak is checked at 2 and 4 ranks). solutions/lab9_reference/ holds the same parts' records.
+LAB9_PARTS_ON = {2: "memory,checkpoint,clip", 4: "memory,meta,hsdp,resume"}
 
 
 @pytest.fixture(scope="session")
 def sharding_checks(tmp_path_factory):
     """sharding_checks(nproc) -> (RunResult, path of the minddp JSON) of tests/scripts/sharding_checks.py.
 
-    One launch per world size serves tests/test_minddp.py and tests/test_minifsdp.py (lab 6's and lab 8's
-    from-scratch checks need the same gloo group). The first test that asks starts both world sizes'
-    launches at once and waits for its own: one after the other they took 22 s here, and the 2-rank
-    job's start-up and waits left a core idle (issue 22). Every later test reuses them.
+    One launch per world size serves tests/test_minddp.py, tests/test_minifsdp.py, tests/test_lab8_fsdp.py
+    and tests/test_lab9_fsdp_practice.py (lab 6's, lab 8's and lab 9's checks need the same gloo group).
+    Beside the minddp JSON lie lab9.json (both world sizes) and lab8.json (2 ranks): lab 8's rows and lab
+    9's report (`path.with_name("lab9.json")`). The first test that asks starts both world sizes' launches
+    at once and waits for its own: one after the other they took 22 s here, and the 2-rank job's start-up
+    and waits left a core idle (issue 22). Every later test reuses them.
     """
     launched = {}
     pool = ThreadPoolExecutor(max_workers=len(MINDDP_SUITE_ON), thread_name_prefix="sharding_checks")
 
     def launch(nproc):
         path = tmp_path_factory.mktemp(f"sharding_checks_{nproc}") / "minddp.json"
-        args = ["--minddp-suite", MINDDP_SUITE_ON[nproc], "--minddp-json", path, "--timeout-s", "30"]
-        return run_torchrun(SHARDING_CHECKS, args, nproc=nproc, timeout_s=300), path
+        args = ["--minddp-suite", MINDDP_SUITE_ON[nproc], "--minddp-json", path, "--timeout-s", "90",
+                "--lab9-json", path.with_name("lab9.json"), "--lab9-parts", LAB9_PARTS_ON[nproc]]  # fmt: skip
+        if nproc == 2:
+            args += ["--lab8-json", path.with_name("lab8.json")]
+        return run_torchrun(SHARDING_CHECKS, args, nproc=nproc, timeout_s=400), path
 
     def run(nproc):
         if not launched:

@@ -40,9 +40,12 @@ SAMPLES = {
     "lab6": ("lab6.json", [{"impl": impl, "check_passed": True, "vs_torch_ddp": ratio}
                            for impl, ratio in (("naive", 3.378), ("overlap", 1.989), ("bucketed", 0.893), ("torch", 1.0))],
              "4/4 impls match one process; bucketed/torch step time 0.89"),
-    "lab8": ("lab8.json", [{"impl": impl, "check_passed": True, "state_vs_ddp": ratio}
+    "lab8": ("lab8.json", [{"impl": impl, "passed": True, "state_vs_ddp": ratio}
                            for impl, ratio in (("ddp", 1.0), ("fsdp", 0.5043), ("fully_shard", 0.5001))],
              "3/3 impls match one process; model state vs DDP: fsdp 0.50, fully_shard 0.50"),
+    "lab9": ("lab9.json", {"world_size": 2, "memory": {"passed": True, "impls": {
+        "ddp": {"cuda_peak_bytes": 22020096}, "fully_shard": {"cuda_peak_bytes": 14680064}}}, "clip": {"passed": True}},
+        "2 parts passed (memory, clip); torch.cuda peak MiB: ddp 21, fully_shard 14"),
     "lab7": ("lab7.json", {"attempt": 0, "backend": "nccl", "eval_accuracy": 0.7827298050139275, "steps": 20}, "held-out accuracy 78.3%"),
     "lab7_hangs_join": ("hangs.json", {"scenario": "uneven-join", "status": 0, "line": (
         "finished: steps per rank [2, 3]; identical weights on every rank: True; "
@@ -68,7 +71,8 @@ SAMPLES = {
         "2 ranks: load after wrap diverges, unused parameter raises at iteration 1, flight recorder dumped"),
 }  # fmt: skip
 # Files a key figure looks for beside the JSON (lecture 4's demos write a profiler trace per rank).
-EXTRA_FILES = {"lecture4_demos": ["traces/builtin/trace_rank0.json", "traces/blocking/trace_rank0.json"]}
+EXTRA_FILES = {"lecture4_demos": ["traces/builtin/trace_rank0.json", "traces/blocking/trace_rank0.json"],
+               "lab9": ["snapshots/ddp_rank0.pickle"]}
 
 
 def finished(returncode=0, stderr="", wall_s=12.5, timed_out=False):
@@ -111,8 +115,8 @@ def test_a_wrapper_that_fails_lab6s_check_fails_the_lab(tmp_path):
 
 
 def test_an_fsdp_that_fails_lab8s_check_fails_the_lab(tmp_path):
-    records = [{"impl": "ddp", "check_passed": True, "state_vs_ddp": 1.0}, {"impl": "fsdp", "check_passed": False, "state_vs_ddp": 0.5},
-               {"impl": "fully_shard", "check_passed": True, "state_vs_ddp": 0.5}]  # fmt: skip
+    records = [{"impl": "ddp", "passed": True, "state_vs_ddp": 1.0}, {"impl": "fsdp", "passed": False, "state_vs_ddp": 0.5},
+               {"impl": "fully_shard", "passed": True, "state_vs_ddp": 0.5}]  # fmt: skip  (passed: lab 8's whole verdict)
     (tmp_path / "lab8.json").write_text(json.dumps(records))
     outcome = smoke.judge(LABS["lab8"], finished(), tmp_path)
     assert not outcome.passed and outcome.detail == "ran, but check failed for fsdp"
@@ -132,7 +136,8 @@ def test_join_weights_that_differ_fail_the_hang_lab(tmp_path):
 
 
 def test_a_lab_needing_more_ranks_than_gpus_is_marked():
-    two_ranks = {"lab7_hangs_join", "lab5_sweep", "lecture7_sharding"}  # the Join scenario; the sweep's 2-rank job; 2-rank subgroups
+    # the Join scenario; the sweep's 2-rank job; 2-rank subgroups; lab 8 refuses one rank (sharding over one shards nothing)
+    two_ranks = {"lab7_hangs_join", "lab5_sweep", "lecture7_sharding", "lab8", "lab9"}
     assert all(LABS[name].min_ranks == 2 for name in two_ranks)
     assert all(lab.min_ranks == 1 for lab in smoke.LAB_RUNS if lab.name not in two_ranks)  # lab 6 too (review finding 2)
 

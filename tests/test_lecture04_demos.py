@@ -80,6 +80,10 @@ def test_launches_follow_bucket_order(job):
     for facts in report["launch_order"][0].values():
         launches = [event[1] for event in facts["log"] if event[0] == "launch"]
         assert launches == list(range(len(facts["buckets"])))
+    # The figure of section 2.2 (assets/ddp_backward.json, current by tests/test_diagrams.py) shows this job's order.
+    figure = json.loads((REPO_ROOT / "assets" / "ddp_backward.json").read_text())["description"]
+    assert figure["buckets"] == report["launch_order"][0]["default"]["buckets"]
+    assert figure["events"] == report["launch_order"][0]["default"]["log"]
     log = report["launch_order"][0]["find_unused_parameters"]["log"]
     assert report["launch_order"][0]["find_unused_parameters"]["buckets"][-1] == ["head.weight"]
     # head.weight is ready second, but its bucket (the last) is launched last, right after bucket 3
@@ -188,25 +192,35 @@ LECTURE = REPO_ROOT / "lectures" / "04_ddp_internals.ipynb"
 
 
 @pytest.mark.timeout(30)
-def test_every_fact_cell_is_preceded_by_the_demo_that_produced_it():
-    """Code behind every fact: a cell reading report["X"] (a demo's facts) follows a cell printing demo_X's source."""
+def test_each_section_prints_the_demos_its_facts_come_from_in_one_cell():
+    """Code behind every fact, one cell per section (issue 31): a cell reading report["X"] (demo_X's facts)
+    follows its section's one show_demos(...) cell, which prints demo_X's source."""
     import re
 
     import nbformat
 
-    code = [cell.source for cell in nbformat.read(LECTURE, as_version=4).cells if cell.cell_type == "code"]
-    demos = {node for node in re.findall(r"^def (demo_\w+)", (SCRIPTS / "ddp_internals_demos.py").read_text(), re.MULTILINE)}
-    first_read = {}  # each demo's facts, where the lecture first prints them
-    for index, cell in enumerate(code):
-        for key in re.findall(r'report\["(\w+)"\]', cell):
-            first_read.setdefault(key, index)
-    for key, index in first_read.items():
-        assert f"demo_{key}" in demos, key
-        assert f'source_of("ddp_internals_demos.py", "demo_{key}")' in code[index - 1], f"report[{key!r}] is read without its demo's source"
-    facts_read = len(first_read)
-    traces = next(cell for cell in code if "profiling.read_traces" in cell)
-    assert 'source_of("ddp_internals_demos.py", "demo_overlap_traces")' in code[code.index(traces) - 1]
-    assert facts_read >= 14
+    cells = nbformat.read(LECTURE, as_version=4).cells
+    demos = set(re.findall(r"^def (demo_\w+)", (SCRIPTS / "ddp_internals_demos.py").read_text(), re.MULTILINE))
+    section, shown, demo_cells, first_read = "introduction", {}, {}, {}
+    for cell in cells:
+        if cell.cell_type == "markdown":
+            section = ([section] + re.findall(r"^## (.*)$", cell.source, re.MULTILINE))[-1]
+            continue
+        if "def show_demos" in cell.source:
+            continue
+        for call in re.findall(r"show_demos\(([^)]*)\)", cell.source):
+            demo_cells[section] = demo_cells.get(section, 0) + 1
+            shown.setdefault(section, set()).update(re.findall(r'"(\w+)"', call))
+        for key in re.findall(r'report\["(\w+)"\]', cell.source):
+            if key not in first_read:
+                first_read[key] = section
+                assert f"demo_{key}" in demos, key
+                assert f"demo_{key}" in shown.get(section, set()), f"report[{key!r}] is read in {section!r} without its demo's source"
+        if "profiling.read_traces" in cell.source:
+            assert "demo_overlap_traces" in shown.get(section, set())
+    assert demo_cells and set(demo_cells.values()) == {1}, demo_cells  # one source cell per section
+    assert not any("source_of(" in cell.source for cell in cells)
+    assert len(first_read) >= 14
 
 
 def test_the_overlap_table_has_one_row_per_run_and_shows_disagreement():

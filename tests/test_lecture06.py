@@ -207,7 +207,9 @@ def test_the_lecture_counts_detection_in_the_restart_cost_and_gets_the_levin_may
     assert text.count(r"$R = T_\text{detect} + T_\text{restart} + T_\text{load}$") == 1  # defined once, section 4
     assert r"**Detection is part of $R$.**" in text  # section 5 counts it
     assert "`TORCH_NCCL_DUMP_ON_TIMEOUT=1`, so that each detection" in text
-    assert r"about $\frac{\pi}{2\tau}$ for large $\tau$" in text and "pi / (4 tau)" not in text
+    assert r"about $\frac{\pi}{2\delta}$ for large $\delta$" in text and "pi / (4 tau)" not in text
+    # tau is the checkpoint interval only (issue 31's notation): staleness is delta
+    assert r"\tau$ updates old" not in text and r"$\delta$ updates old" in text
 
 
 @pytest.mark.timeout(60)
@@ -215,4 +217,4 @@ def test_the_lecture_writes_its_maths_in_latex_not_in_code():
     text = lecture_text()
     for ascii_maths in ("`sqrt(2 C M)`", "`E[segment]", "`gamma(n-1)", "`u = 2^-24`", "`2 W P`", "`tau/2`", "`1/tau`"):
         assert ascii_maths not in text, ascii_maths
-    assert r"\sqrt{2CM}$" in text and r"$\gamma_k = \frac{k u}{1 - k u}$" in text
+    assert r"\sqrt{2CM}$" in text and r"$\gamma_j = \frac{j u}{1 - j u}$" in text

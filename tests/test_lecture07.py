@@ -9,6 +9,8 @@
 - The check's stored measurements (MEASURED_FSDP_WIRE_BYTES) are what the lecture's job reported, and
   the ring-cost prediction the lecture quotes is ddp_course.sharding's.
 - The demo script refuses a single rank with one line, not a traceback.
+- The overlap story says what a gloo trace can show (review finding 2): the order of issue, with every
+  gloo collective inside the FSDP span that issued it; the claims it replaced are gone everywhere.
 """
 
 import math
@@ -223,3 +225,27 @@ def test_the_demo_script_refuses_one_rank_with_one_line(tmp_path):
     assert 'sharding_demos.py", line' not in result.stderr, result.describe()
     assert result.stderr.count("sharding_demos.py: error:") == 1, result.describe()
     assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.timeout(30)
+def test_the_overlap_story_says_what_a_gloo_trace_can_show():
+    """Review finding 2: FSDP2 issues its collectives with async_op=False and CPU streams do nothing, so on
+    gloo each collective blocks the main thread; the lecture's trace shows the order of issue, and the job
+    measures that each gloo collective ran inside the FSDP span that issued it (the stored, compared
+    output). The claims that taught overlap from that trace are gone from every text that made them."""
+    cells = nbformat.read(LECTURE, as_version=4).cells
+    outputs = "".join("".join(out.get("text", "")) for cell in cells if cell.cell_type == "code" for out in cell.outputs)
+    assert re.search(r"reshard: 8 all-gathers and 4 reduce-scatters issued; gloo ran 12 collectives, "
+                     r"each entirely inside the FSDP span that issued it: True", outputs)
+    markdown = " ".join(" ".join(cell.source.split()) for cell in cells if cell.cell_type == "markdown")
+    assert "`async_op=False`" in markdown and "On CPU with gloo nothing overlaps" in markdown
+    texts = {
+        "lecture 7": markdown,
+        "lab 8 sheet": " ".join(" ".join(c.source.split()) for c in nbformat.read(REPO_ROOT / "labs" / "lab8_fsdp.ipynb", as_version=4).cells),
+        "lab 8 answers": " ".join((REPO_ROOT / "solutions" / "lab8_fsdp_answers.md").read_text().split()),
+        "minifsdp": " ".join((REPO_ROOT / "solutions" / "minifsdp.py").read_text().split()),
+    }
+    for wrong in ("forward prefetch is explicit", "here gloo runs them on its own threads", "reduce-scatter overlaps unit 4's backward",
+                  "is what makes this FSDP as fast as torch's (lab 8", "although `fully_shard` prefetches"):
+        assert not [name for name, text in texts.items() if wrong in text], wrong
+    assert "on CPU its prefetch hides nothing" in texts["lab 8 answers"] and "this FSDP would lose there" in texts["minifsdp"]

@@ -32,6 +32,7 @@ CASES = [
     "gradients_local_float32_and_replicated_equal",
     "tied_weight_gathered_once",
     "full_weights_only_around_use",
+    "block_units_gather_only_around_use",
     "float16_matches_float16_reference",
     "negative_sum_not_average",
     "negative_no_regather",
@@ -154,3 +155,25 @@ def test_every_todo_of_the_exercise_raises_its_hint():
     assert todo_raises(SOLUTION) == []
     exercise = EXERCISE.read_text()
     assert "# END SOLUTION" not in exercise and "reduce_scatter_single(mine" not in exercise
+
+
+def test_the_todos_state_contracts_with_one_design_question_per_part():
+    """Issue 31 / review finding 7: each TODO says what must hold ("afterwards ...", "return ...", "from now
+    on ..."), one per part asks a design question, and the mechanisms stay open: the exercise names neither
+    the hook that tells when a gradient is complete nor the one that triggers the gather before backward.
+    The recipes are in solutions/lab8_hints.md, one tier per part: a nudge, then "Stuck?"."""
+    regions = find_regions(SOLUTION.read_text().split("\n"))
+    for part in (1, 2, 3):
+        asked = [region for region in regions if region.part == part and "Design question:" in region.message]
+        assert len(asked) == 1, (part, [region.message for region in asked])
+    for region in regions:
+        contract = region.message.split(": ", 1)[1]
+        assert contract.startswith(("afterwards", "return", "from now on", "full[name] =")), region.message
+    exercise = EXERCISE.read_text()
+    for mechanism in ("register_post_accumulate_grad_hook", "register_hook", "resize_(handle.full_bytes)", "owner.__dict__[name] ="):
+        assert mechanism not in exercise, mechanism
+    hints = (REPO_ROOT / "solutions" / "lab8_hints.md").read_text()
+    for part in (1, 2, 3):
+        section = hints.split(f"## Part {part}:")[1].split("## Part")[0]
+        assert "**Goal.**" in section and "**Nudge" in section and section.index("**Nudge") < section.index("**Stuck?**"), part
+    assert "--part 1" in hints and "labs/lab8_fsdp.py --part" in EXERCISE.read_text()

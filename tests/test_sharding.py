@@ -162,3 +162,31 @@ def test_predicted_state_bytes_per_stage(n):
     assert sharding.predicted_state_bytes("zero2", 400, 0, n) == pytest.approx(400 + 1200 / n)
     assert sharding.predicted_state_bytes("fsdp", 400, 40, n) == pytest.approx(1600 / n + 160)
     assert sharding.predicted_state_bytes("fsdp", 400, 0, 1) == sharding.predicted_state_bytes("ddp", 400, 0, 1)
+
+
+def test_step_watch_samples_every_module_boundary_and_counts_each_storage_once():
+    """A two-layer model: entry and exit of every module in forward, before every module's backward, and
+    "after forward" (the outermost module's hook); a tensor listed in two categories counts in the first."""
+    model = nn.Sequential(nn.Linear(4, 3, bias=False), nn.Linear(3, 2, bias=False))  # 12 + 6 floats
+    weights = list(model.parameters())
+    extra = torch.zeros(5)  # 20 bytes
+    watch = sharding.StepWatch({"weights": lambda: weights, "extra": lambda: [extra, weights[0]]})
+    with watch.during(model):
+        model(torch.ones(1, 4)).sum().backward()
+    labels = [label for label, _ in watch.samples]
+    assert labels == ["forward > model", "forward > 0", "forward < 0", "forward > 1", "forward < 1", "forward < model",
+                      "after forward", "backward > 1", "backward > model", "backward > 0"]  # fmt: skip
+    # (layer 1's output IS the model's: both hooks sit on one tensor, in the order they were registered)
+    assert watch.at("after forward") == {"weights": 72, "extra": 20}  # weights[0] counted once, as a weight
+    assert watch.peak() == 92 and watch.peak("extra") == 20
+    extra.untyped_storage().resize_(0)  # freed: counts 0, as FSDP's full weights between uses
+    watch.sample("freed")
+    assert watch.at("freed") == {"weights": 72, "extra": 0}
+    model(torch.ones(1, 4))  # the hooks are gone after the block
+    assert watch.samples[-1][0] == "freed"
+
+
+def test_cuda_peak_is_none_on_a_cpu_device():
+    with sharding.cuda_peak(torch.device("cpu")) as found:
+        torch.zeros(1000)
+    assert found == {"bytes": None}

@@ -92,3 +92,28 @@ def test_a_command_that_is_not_torchrun_joins_the_same_queue_with_the_same_timeo
     result = jobs.start_command("python", Path("labs/lab5_scaling.py"), "--sweep", 1).result(timeout=10)
     assert result.stdout == "swept"
     assert commands == [(["python", "labs/lab5_scaling.py", "--sweep", "1"], 600, False)]
+
+
+@pytest.mark.timeout(30)
+def test_a_job_after_another_starts_only_once_that_one_ended_and_takes_its_own_options(monkeypatch, tmp_path):
+    """Lab 7's one-rank resume reads the two-rank job's checkpoint: `after=` holds it back, though a thread is free."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    events, lock = [], threading.Lock()
+
+    def fake_run_torchrun(script, args=(), nproc=2, timeout_s=120, use_gpus=False, **options):
+        with lock:
+            events.append(("start", script, nproc, options))
+        time.sleep(0.2 if script == "first.py" else 0.01)
+        with lock:
+            events.append(("end", script, nproc, options))
+        return RunResult([script], 0, "", "", 0.0, False)
+
+    monkeypatch.setattr(launch, "run_torchrun", fake_run_torchrun)
+    jobs = SheetJobs("sheet_", at_once=2)
+    first = jobs.start("first.py")
+    resumed = jobs.start("resume.py", nproc=1, after=first, env={"X": "1"}, torchrun_args=["--max-restarts=1"])
+    resumed.result(timeout=10)
+    order = [(kind, script) for kind, script, _, _ in events]
+    assert order.index(("end", "first.py")) < order.index(("start", "resume.py"))  # a free thread, yet it waited
+    _, _, nproc, options = next(event for event in events if event[:2] == ("start", "resume.py"))
+    assert nproc == 1 and options == {"env": {"X": "1"}, "torchrun_args": ["--max-restarts=1"]}

@@ -10,8 +10,8 @@ all-reduce and one with a blocking communication hook (open them in https://ui.p
 
 CPU only, by design: every demo builds CPU models and CPU tensors, so the job always starts on gloo,
 on a GPU machine too (an NCCL group would refuse the first CPU collective). init_process_group_inline()
-keeps the NCCL branch a GPU script takes, as the lecture's illustration; main() calls it with
-backend="gloo" (DEMO_BACKEND).
+keeps the NCCL branch a GPU script takes (one answer to the lecture's exercise 3, whose rules section 1.2
+states); main() calls it with backend="gloo" (DEMO_BACKEND).
 """
 
 from __future__ import annotations

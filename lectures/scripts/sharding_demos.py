@@ -14,12 +14,14 @@ Any N >= 2 works (a GPU machine runs one rank per GPU): "4" below is then N.
   equal         the same model trained with DDP and with fully_shard (SGD, 3 steps, 4 ranks): the
                 largest weight difference, and what bounds it.
   trace         one fully_shard step on 4 ranks under torch.profiler, with reshard_after_forward True
-                and False: the FSDP phases rank 0 recorded, in order.
+                and False and with forward prefetch: the FSDP phases rank 0 recorded, in order; whether each
+                gloo collective ran inside the span that issued it, and the step's share of time in them.
   precision     MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32): the bytes per step.
   checkpoint    a fully_shard model saved with torch.distributed.checkpoint on 2 ranks, loaded on 4
                 ranks (fully_shard again) and on 1 (a plain model): equal weights?
 
-Rank 0 writes the facts (bytes, counts, booleans, event names; no timings except `wall_s`) to --json.
+Rank 0 writes the facts (bytes, counts, booleans, event names; no timings except `wall_s`, the trace's
+microseconds and the shares of step time) to --json.
 Written for NCCL too: the device comes from LOCAL_RANK when --backend nccl (not run on a GPU yet).
 """
 
@@ -235,10 +237,13 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def phases_in_trace(group, device, reshard_after_forward: bool = True, forward_prefetch: bool = False) -> list:
-    """The FSDP phases rank 0's profiler saw in one training step: [name, start, end] in microseconds from
-    the step's first phase, in start order. Names are "FSDP::phase (layer)", the layer as nn.Sequential numbers it."""
-    from torch.profiler import ProfilerActivity, profile
+def phases_in_trace(group, device, reshard_after_forward: bool = True, forward_prefetch: bool = False) -> dict:
+    """What rank 0's profiler saw in one training step: {"phases": the FSDP phases, [name, start, end] in
+    microseconds from the step's first phase, in start order ("FSDP::phase (layer)", the layer as
+    nn.Sequential numbers it); "gloo_collectives": how many gloo collectives ran; "inside_issuing_span": how
+    many ran entirely inside the FSDP all-gather or reduce-scatter span that issued them (the main thread
+    waited for them); "all_gather_share", "reduce_scatter_share": the step's time inside those spans}."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     model = fully_shard_model(make_model().to(device), group, device, reshard_after_forward=reshard_after_forward)
     if forward_prefetch:  # ask each layer to start the next layer's all-gather when its own forward starts
@@ -255,11 +260,23 @@ def phases_in_trace(group, device, reshard_after_forward: bool = True, forward_p
 
     step(0)  # warm-up: fully_shard initialises lazily in the first step
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step(1)
-    events = sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events() if e.name().startswith("FSDP::"))
-    first = events[0][0]
+        with record_function("training step"):
+            step(1)
+    recorded = [(e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()]
     del model, optimizer
-    return [[name, (start - first) / 1e3, (end - first) / 1e3] for start, end, name in events]
+    events = sorted(event for event in recorded if event[2].startswith("FSDP::"))
+    first = events[0][0]
+    # gloo runs a collective on its own worker thread ("gloo:all_gather", "gloo:all_reduce": gloo's
+    # reduce-scatter); each one starts inside the FSDP span whose call issued it.
+    spans = {kind: [(s, e) for s, e, name in events if name.startswith(prefix)]
+             for kind, prefix in (("all_gather", "FSDP::all_gather ("), ("reduce_scatter", "FSDP::post_backward_reduce"))}
+    gloo = [(s, e) for s, e, name in recorded if name.startswith("gloo:")]
+    inside = sum(any(s <= gs and ge <= e for s, e in spans["all_gather"] + spans["reduce_scatter"]) for gs, ge in gloo)
+    step_start, step_end = next((s, e) for s, e, name in recorded if name == "training step")
+    share = {kind: sum(e - s for s, e in found) / (step_end - step_start) for kind, found in spans.items()}
+    return {"phases": [[name, (start - first) / 1e3, (end - first) / 1e3] for start, end, name in events],
+            "gloo_collectives": len(gloo), "inside_issuing_span": inside,
+            "all_gather_share": share["all_gather"], "reduce_scatter_share": share["reduce_scatter"]}  # fmt: skip
 
 
 def checkpoint_demo(world, pair, rank: int, device, directory: Path) -> dict:
@@ -342,11 +359,13 @@ def run(args) -> dict:
         "steps": 3, "lr": 0.05,
     }  # fmt: skip
 
-    report["trace"] = {
+    traced = {
         "reshard": phases_in_trace(world, device),
         "keep": phases_in_trace(world, device, reshard_after_forward=False),
         "forward_prefetch": phases_in_trace(world, device, forward_prefetch=True),
     }
+    report["trace"] = {setting: facts.pop("phases") for setting, facts in traced.items()}
+    report["trace_blocking"] = traced["reshard"]  # the default setting's collectives: waited for, or not?
     report["checkpoint"] = checkpoint_demo(world, pair, rank, device, Path(args.checkpoint_dir))
     return report
 

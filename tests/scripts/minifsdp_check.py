@@ -10,7 +10,8 @@ case failed. tests/test_minifsdp.py asserts on these lines. Every collective wai
 
 Cases: SGD and AdamW against one process (float32, CharTransformer with its tied embedding); replicated
 gradients identical on every rank; the tied weight still tied, gathered once in backward and
-reduce-scattered once per step; no full weight left after forward and after the step; float16 compute
+reduce-scattered once per step; no full weight left after forward and after the step, and with lab 8's
+block units never more than the root's and one block's full weights at once; float16 compute
 against a one-process float16 reference; two wrong variants (negative controls); optimizer state per
 rank; the exercise labs/minifsdp.py, part by part.
 """
@@ -32,6 +33,7 @@ from ddp_course.distributed import setup_distributed, teardown_distributed
 from ddp_course.exercises import exercise_header, make_exercise
 from ddp_course.launch import REPO_ROOT, import_script
 from ddp_course.models import CharTransformer
+from ddp_course.sharding import at_module_boundaries, storage_bytes
 
 SOLUTION = REPO_ROOT / "solutions" / "minifsdp.py"
 EXERCISE = REPO_ROOT / "labs" / "minifsdp.py"
@@ -300,6 +302,41 @@ def full_weights_only_around_use(ctx):
     )
 
 
+def two_blocks() -> nn.Module:
+    return CharTransformer(VOCAB, context=TIME, d_model=16, n_layers=2, n_heads=2)
+
+
+def block_units_gather_only_around_use(ctx):
+    """Lab 8's configuration, units=list(model.blocks), on two blocks: at every module boundary of forward and
+    backward (ddp_course.sharding.at_module_boundaries) the full weights held are at most the root unit's (it
+    holds the tied embedding, gathered from the head's backward to the embedding's) plus one block's; none
+    after forward or after backward; and both blocks were gathered at some point (the bound is reached)."""
+    bare = build(two_blocks)
+    model = minifsdp.FSDP(bare, units=list(bare.blocks))
+    group_bytes = {id(group): sum(h.full_bytes for h in group.params) for group in model.groups}
+    root = next(g for g in model.groups if model.sharded[bare.token_embedding.weight] in g.params)
+    bound = group_bytes[id(root)] + max(b for key, b in group_bytes.items() if key != id(root))
+    held = []
+
+    def sample(label):
+        held.append((label, storage_bytes(handle.full for handle in model.sharded.values())))
+
+    inputs, targets = batch(0)
+    with at_module_boundaries(bare, sample):
+        logits = model(mine(ctx, inputs))
+        after_forward = storage_bytes(handle.full for handle in model.sharded.values())
+        loss_of(logits, mine(ctx, targets)).backward()
+    after_backward = storage_bytes(handle.full for handle in model.sharded.values())
+    model.finish_gradient_synchronization()
+    peak = max(size for _, size in held)
+    in_backward = max(size for label, size in held if label.startswith("backward"))
+    ok = peak == bound and in_backward == bound and after_forward == after_backward == 0
+    return ok, (
+        f"full weights held at most {peak} B (in backward {in_backward} B); root unit + largest block = {bound} B "
+        f"(all units: {sum(group_bytes.values())} B); after forward {after_forward} B, after backward {after_backward} B"
+    )
+
+
 def float16_matches_float16_reference(ctx):
     """compute_dtype=float16 against one process computing in float16 with float32 master weights."""
     reference16 = reference_weights(HalfNet, SGD, compute_dtype=torch.float16, micro_batches=ctx.world_size)
@@ -407,6 +444,7 @@ CASES = [
     gradients_local_float32_and_replicated_equal,
     tied_weight_gathered_once,
     full_weights_only_around_use,
+    block_units_gather_only_around_use,
     float16_matches_float16_reference,
     negative_sum_not_average,
     negative_no_regather,

@@ -1,0 +1,652 @@
+"""Lab 9: sharding in practice - memory over a whole step, a model no rank builds whole, activation
+checkpointing, clipping across shards, HSDP, and a training state resumed on another number of ranks.
+
+Lab 8 weighed what each rank keeps between steps and wrote FSDP from scratch. This lab measures what
+practitioners meet next, on lab 8's workload (lab 6's character transformer, the same batches):
+
+  memory     for ddp, zero1, zero2, fsdp (ours), fully_shard and fully_shard_keep (lab 8's --impl): the
+             bytes one rank holds at every phase of an AdamW step - each module's entry and exit in
+             forward, each module's backward, the gradient sync, the optimizer step - by category:
+             parameters, gathered full weights, gradients, optimizer state, activations (the tensors
+             autograd saved for backward); the peak against the sheet's formula, within a stated tolerance
+  meta       a model no rank builds whole: built on the meta device (no memory), fully_shard-ed, then
+             only each rank's shards materialised (to_empty) and filled from a sharded checkpoint
+             (torch.distributed.checkpoint) that a normally built model saved; the CPU allocator's peak
+             on every rank stays far below the full model's bytes; the loaded weights equal the saved ones
+  checkpoint activation checkpointing per block under fully_shard: the allocator's peak during a step with
+             and without, the all-gathers per step (the same: recomputation runs inside the unit's
+             backward, while its weights are gathered anyway), and equal weights after the step
+  clip       gradient clipping across shards: clip_grad_norm_ on each rank's slices (naive) gives each
+             rank another norm and the replicated parameters drift apart; the fix (one all-reduce of the
+             squared norms) and torch's clip_grad_norm_ on fully_shard's DTensors equal one process
+  hsdp       (4 ranks) fully_shard on a 2 x 2 mesh: shard within pairs, replicate across them; equal to
+             one process; bytes per mesh dimension against the formula
+  resume     (4 ranks) model and optimizer state saved with DCP by 2 ranks (a subgroup) after some steps,
+             loaded by all 4, training continued: equal to the uninterrupted run, and a resume without the
+             optimizer's state is not
+
+From the repository root (gloo, CPU):
+    torchrun --standalone --nproc_per_node=2 labs/lab9_fsdp_practice.py --json runs/lab9_2.json
+    torchrun --standalone --nproc_per_node=4 labs/lab9_fsdp_practice.py --json runs/lab9_4.json
+    one part:  ... --parts memory,clip
+    N GPUs (NCCL; written with care, NOT YET RUN on a GPU): torchrun --standalone --nproc_per_node=N
+               labs/lab9_fsdp_practice.py --parts memory --snapshot-dir runs/snapshots   (torch.cuda's peak per
+               implementation, and a memory snapshot each, for https://pytorch.org/memory_viz)
+
+What you should see: one PASS line per check and exit status 0; at 2 ranks the 4-rank parts are skipped
+with a line saying so. solutions/lab9_reference/ holds the records of both runs, and the lab 9 sheet reads
+them.
+"""
+
+import argparse
+import sys
+import weakref
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ddp_course.checkpoint import atomic_write_json
+from ddp_course.cli import CourseArgumentParser, CourseError, positive_float
+from ddp_course.data import encode_text, load_stdlib_text, sample_windows, text_splits
+from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
+from ddp_course.launch import import_script
+from ddp_course.sharding import StepWatch, count_collectives, cuda_peak, optimizer_state_tensors, storage_bytes
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Lab 8's implementations, model, batches and accounting, used as they are; lab 6's through it.
+lab8 = import_script(REPO_ROOT / "labs" / "lab8_fsdp.py", "lab8_fsdp")
+lab6 = lab8.lab6
+PARTS = ("memory", "meta", "checkpoint", "clip", "hsdp", "resume")
+FOUR_RANK_PARTS = ("hsdp", "resume")
+MEMORY_IMPLS = ("ddp", "zero1", "zero2", "fsdp", "fully_shard", "fully_shard_keep")
+CATEGORIES = ("parameters", "gathered", "gradients", "optimizer_state", "activations")
+MIB = 2**20
+# The peak formula against the measured peak: within 5 %. It leaves out padding rows and Adam's step
+# counters (under 0.1 % here) and puts the peak at the turn from forward to backward; the measured peak can
+# come one module later, after the head's activations are freed (3 % of the activations here).
+PEAK_TOLERANCE = 0.05
+GLOBAL_BATCH = 8  # windows per step in the clip, hsdp and resume parts: 4 per rank on 2 ranks, 2 on 4
+CLIP_STEPS, MAX_NORM = 3, 0.5  # the gradient's norm is about 4.8 at the first step: clipping acts at every step
+HSDP_STEPS = 2
+RESUME_AT, RESUME_STEPS = 2, 4
+
+
+class SavedActivations:
+    """A context manager: every tensor autograd saves for backward while it is active is remembered (weakly);
+    alive() lists those not yet freed. Autograd frees them as backward consumes them."""
+
+    def __init__(self):
+        self.saved: list[weakref.ref] = []
+
+    def pack(self, tensor):
+        self.saved.append(weakref.ref(tensor))
+        return tensor  # saved as it is: this only watches
+
+    def alive(self) -> list[torch.Tensor]:
+        return [tensor for tensor in (ref() for ref in self.saved) if tensor is not None]
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.hooks.__exit__(*exc)
+
+
+def local_batch(args, ctx, tokens, step: int, group=None):
+    """This rank's rows of step `step`'s global batch (lab 6's: batch_size windows per rank of the job, or of
+    `group`); every rank, any world size, draws the same global batch for the same step."""
+    ranks = dist.get_world_size(group) if group is not None else ctx.world_size
+    rank = dist.get_rank(group) if group is not None else ctx.rank
+    windows = sample_windows(tokens, GLOBAL_BATCH, lab6.CONTEXT, torch.Generator().manual_seed(args.seed + step))
+    return tuple(t.chunk(ranks)[rank].to(ctx.device) for t in windows)
+
+
+def lab8_args(args, **changes) -> argparse.Namespace:
+    """Lab 8's configuration (its defaults: batch 4 windows per rank, seed 0, ours from solutions/)."""
+    parsed = lab8.parse_args(["--module", "solutions", "--seed", str(args.seed)])
+    return argparse.Namespace(**{**vars(parsed), **changes})
+
+
+def gradients_now(trained, own) -> list[torch.Tensor]:
+    """Every gradient that exists right now: the kept parameters' and the gathered weights' (.grad of
+    minifsdp's full tensors, of fully_shard's unsharded parameters), and ZeRO-2's bucket buffers."""
+    found = [p.grad for p in own] + [t.grad for t in lab8.gathered_now(trained)]
+    return found + (trained.wrapped.gradient_buffers() if trained.impl == "zero2" else [])
+
+
+def memory_timeline(impl: str, args, ctx, modules, tokens) -> dict:
+    """One AdamW step of impl after a warm-up step, sampled at every phase; the fullest rank's bytes."""
+    largs = lab8_args(args)
+    make = lab8.make_optimizer(impl, modules, torch.optim.AdamW, lr=lab8.ADAMW_LR)
+    trained = lab8.Trained(impl, largs, ctx, modules, make)
+    inputs, targets = (lab6.my_rows(t, ctx) for t in lab6.global_batch(tokens, torch.Generator().manual_seed(args.seed), largs, ctx))
+    trained.step(inputs, targets)  # warm-up: Adam's state exists, DDP's buckets are built, fully_shard initialised
+    own, saved = lab8.kept(trained), SavedActivations()
+    watch = StepWatch({"parameters": lambda: own, "gathered": lambda: lab8.gathered_now(trained),
+                       "gradients": lambda: gradients_now(trained, own),
+                       "optimizer_state": lambda: optimizer_state_tensors(trained.optimizer), "activations": saved.alive})  # fmt: skip
+    with cuda_peak(ctx.device) as cuda, cuda_snapshot(args, ctx, impl):
+        watch.sample("start")
+        # DDP's gradients live in its reducer's buckets whatever zero_grad does (gradient_as_bucket_view):
+        # set_to_none=False keeps the .grad views that show them.
+        trained.optimizer.zero_grad(**({"set_to_none": False} if impl in ("ddp", "zero1") else {}))
+        watch.sample("zero_grad")
+        with count_collectives(*modules.values()) as counter:
+            with watch.during(trained.model, trained.wrapped), saved:
+                F.cross_entropy(trained.wrapped(inputs).flatten(0, 1), targets.flatten()).backward()
+            watch.sample("after backward")
+            if hasattr(trained.wrapped, "finish_gradient_synchronization"):
+                trained.wrapped.finish_gradient_synchronization()
+            watch.sample("after gradient sync")
+            trained.optimizer.step()
+            watch.sample("after optimizer step")
+    sizes = torch.tensor([[sample[c] for c in CATEGORIES] for _, sample in watch.samples], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)  # the same phases on every rank (the same graph): the fullest
+    return {"labels": [label for label, _ in watch.samples], "bytes": sizes.long().tolist(),
+            "bytes_per_step": counter.wire_bytes_per_rank(ctx.world_size), "messages_per_step": len(counter.calls),
+            "cuda_peak_bytes": None if cuda["bytes"] is None else int(lab6.job_max(cuda["bytes"], ctx))}  # fmt: skip
+
+
+# --- memory over a whole step: the formula ---------------------------------------------------------------
+
+
+def model_sizes(args, ctx, world_size: int) -> dict:
+    """The bytes the peak formula is made of (float32): W, the weights; the root unit's and the largest
+    block's full weights (what an FSDP gathers at once); the largest ZeRO-2 bucket."""
+    model = lab6.new_model(args, ctx)
+    weights = storage_bytes(model.parameters())
+    in_blocks = {id(p) for p in model.blocks.parameters()}
+    root = storage_bytes(p for p in model.parameters() if id(p) not in in_blocks)
+    block = max(storage_bytes(b.parameters()) for b in model.blocks)
+    buckets = lab8.modules_for(["zero2"])["minizero2"].split(list(model.parameters())[::-1], lab8.ZERO2_BUCKET_MB * 2**20)
+    return {"weights": weights, "root": root, "block": block, "bucket": max(storage_bytes(b) for b in buckets)}
+
+
+def predicted_peak(impl: str, sizes: dict, activations: int, world_size: int) -> int:
+    """The peak of one rank's memory during an AdamW step (float32; the sheet derives it). The peak comes
+    where the activations are largest - at the turn from forward to backward - so it is the state kept
+    then, plus the activations A, plus what the implementation holds at that moment:
+        ddp     W weights + W gradients (DDP's buckets persist) + 2W Adam               + A
+        zero1   W + W + 2W/N                                                            + A
+        zero2   W + 2W/N + the first bucket of full gradients                          + A
+        fsdp, fully_shard   W/N + 2W/N + the root unit's and one block's full weights  + A
+        fully_shard_keep    W/N + 2W/N + every full weight (kept since forward)         + A
+    Left out: padding rows, Adam's step counters, a unit's gradients while its activations are freed."""
+    w, n = sizes["weights"], world_size
+    held = {"ddp": w + w + 2 * w, "zero1": w + w + 2 * w / n, "zero2": w + 2 * w / n + sizes["bucket"],
+            "fsdp": w / n + 2 * w / n + sizes["root"] + sizes["block"],
+            "fully_shard": w / n + 2 * w / n + sizes["root"] + sizes["block"], "fully_shard_keep": w / n + 2 * w / n + w}  # fmt: skip
+    return int(held[impl] + activations)
+
+
+@contextmanager
+def cuda_snapshot(args, ctx, impl: str):
+    """GPU track (NOT YET RUN on a GPU): with --snapshot-dir, record every CUDA allocation of the block and
+    write a snapshot per rank, SNAPSHOT_DIR/<impl>_rank<r>.pickle, to open at https://pytorch.org/memory_viz."""
+    if not (args.snapshot_dir and ctx.device.type == "cuda"):
+        yield
+        return
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        yield
+    finally:
+        Path(args.snapshot_dir).mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(Path(args.snapshot_dir) / f"{impl}_rank{ctx.rank}.pickle"))
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def memory(args, ctx, tokens) -> dict:
+    """Every implementation's timeline and its peak against the formula; ZeRO-2 against one process."""
+    modules = lab8.modules_for(MEMORY_IMPLS)
+    sizes = model_sizes(args, ctx, ctx.world_size)
+    timelines = {impl: memory_timeline(impl, args, ctx, modules, tokens) for impl in MEMORY_IMPLS}
+    labels = timelines["ddp"]["labels"]  # the same phases for every implementation: the same model's modules
+    if any(timeline.pop("labels") != labels for timeline in timelines.values()):
+        raise CourseError("the implementations' steps went through different phases")
+    activations = dict(zip(labels, timelines["ddp"]["bytes"]))["after forward"][CATEGORIES.index("activations")]
+    facts = {"categories": CATEGORIES, "labels": labels, "sizes": sizes, "activations_after_forward": activations,
+             "tolerance": PEAK_TOLERANCE, "impls": {}}  # fmt: skip
+    for impl, timeline in timelines.items():
+        totals = [sum(sample) for sample in timeline["bytes"]]
+        peak = max(totals)
+        predicted = predicted_peak(impl, sizes, activations, ctx.world_size)
+        facts["impls"][impl] = {**timeline, "peak_bytes": peak, "peak_at": labels[totals.index(peak)],
+                                "predicted_peak_bytes": predicted, "peak_vs_predicted": peak / predicted,
+                                "passed": abs(peak / predicted - 1) <= PEAK_TOLERANCE}  # fmt: skip
+        log(f"memory {impl:<16} peak {peak / MIB:6.2f} MiB at {facts['impls'][impl]['peak_at']:<22} predicted {predicted / MIB:6.2f} MiB "
+            f"({peak / predicted:.3f}x)   {'PASS' if facts['impls'][impl]['passed'] else 'FAIL'}")
+    # ZeRO-2 from scratch trains as one process does at this world size too (lab 8's check: SGD steps)
+    checked = lab8.check(lab8_args(args, impls=["zero2"]), ctx, tokens, modules)["zero2"]
+    facts["zero2_check"] = {key: checked[key] for key in ("max_abs_diff_vs_single_process", "tolerance")} | {"passed": checked["verdict"] == "PASS"}
+    facts["passed"] = all(impl["passed"] for impl in facts["impls"].values()) and facts["zero2_check"]["passed"]
+    return facts
+
+
+# --- a model no rank builds whole ------------------------------------------------------------------------
+
+
+@contextmanager
+def allocations(device: torch.device):
+    """Yields a dict whose "peak" is, after the block, the most bytes the device's allocator had handed out at
+    once during it, beyond what was allocated before. CPU: from torch.profiler's memory events (each
+    allocation +bytes, each free -bytes, in time order). CUDA (NOT YET RUN on a GPU): torch.cuda's peak."""
+    if device.type == "cuda":
+        with cuda_peak(device) as cuda:
+            found = {}
+            yield found
+        found["peak"] = cuda["bytes"]
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    found = {}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield found
+    running = peak = 0
+    for _, size in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"):
+        running += size
+        peak = max(peak, running)
+    found["peak"] = peak
+
+
+def world_mesh(ctx, group=None):
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    return init_device_mesh(ctx.device.type, (ctx.world_size,)) if group is None else DeviceMesh.from_group(group, ctx.device.type)
+
+
+def sharded_model(args, ctx, mesh, device=None, wrap_block=None, seed_offset: int = 0):
+    """Lab 6's transformer under fully_shard (a unit per block, the root last), built on `device` (default:
+    the job's device; "meta": nothing allocated); the weights of lab 6's new_model (seed_offset: others).
+    wrap_block(block) may wrap each block first."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(args.seed + seed_offset)
+    with torch.device(device or ctx.device):
+        model = lab6.CharTransformer(lab6.TEXT_VOCAB_SIZE, **lab6.MODEL_SHAPE)
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = wrap_block(block) if wrap_block else block
+        fully_shard(model.blocks[index], mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def full_weights_equal(first, second) -> bool:
+    """Two fully_shard models' weights, compared parameter by parameter (one full tensor at a time)."""
+    return all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(first.parameters(), second.parameters()))
+
+
+def meta(args, ctx, tokens) -> dict:
+    """Save a normally built (and trained) sharded model with DCP; build it again on the meta device, shard it,
+    materialise only the shards, load them; weigh the allocator's peak of both builds."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    mesh = world_mesh(ctx)
+    with allocations(ctx.device) as whole_then_sharded:  # the usual way: every rank builds the whole model first
+        saved = sharded_model(args, ctx, mesh)
+    inputs, targets = local_batch(args, ctx, tokens, step=0)
+    F.cross_entropy(saved(inputs).flatten(0, 1), targets.flatten()).backward()
+    torch.optim.SGD(saved.parameters(), lr=lab6.CHECK_LR).step()  # so that the saved weights are not the initial ones
+    directory = shared_directory(args, ctx, "meta")
+    dcp.save(get_model_state_dict(saved), checkpoint_id=directory)
+    with allocations(ctx.device) as never_whole:
+        loaded = sharded_model(args, ctx, mesh, device="meta")  # shapes only: no memory
+        loaded.to_empty(device=ctx.device)  # this rank's shards, uninitialised
+        state = get_model_state_dict(loaded)  # DTensors over the shards
+        dcp.load(state, checkpoint_id=directory)  # each rank reads only the pieces of its shards
+        set_model_state_dict(loaded, state)
+    whole = storage_bytes(lab6.new_model(lab8_args(args), ctx).parameters())
+    peaks = {"whole_then_sharded": int(lab6.job_max(whole_then_sharded["peak"], ctx)), "meta": int(lab6.job_max(never_whole["peak"], ctx))}
+    equal = full_weights_equal(saved, loaded)
+    remove_if_temporary(args, ctx, directory)
+    passed = peaks["meta"] < whole <= peaks["whole_then_sharded"] and equal
+    log(f"meta     the whole model: {whole / MIB:.2f} MiB; the fullest rank's allocator peak building it whole, then sharding: "
+        f"{peaks['whole_then_sharded'] / MIB:.2f} MiB; on the meta device, then shards loaded: {peaks['meta'] / MIB:.2f} MiB; "
+        f"loaded weights equal the saved ones: {equal}   {'PASS' if passed else 'FAIL'}")
+    return {"whole_model_bytes": whole, "peak_bytes": peaks, "loaded_equals_saved": equal, "passed": passed}
+
+
+def shared_directory(args, ctx, name: str) -> str:
+    """A folder every rank agrees on: --checkpoint-dir/name, or a temporary one (rank 0 makes it and says
+    where: one host, one file system; several nodes need --checkpoint-dir on a shared file system)."""
+    import tempfile
+
+    if args.checkpoint_dir:
+        path = [str(Path(args.checkpoint_dir) / name)]
+    else:  # rank 0 alone creates it, so that remove_if_temporary leaves nothing behind
+        path = [tempfile.mkdtemp(prefix=f"lab9_{name}_") if ctx.is_main else None]
+    dist.broadcast_object_list(path, src=0, device=ctx.device)
+    return path[0]
+
+
+def remove_if_temporary(args, ctx, directory: str) -> None:
+    """After every rank is done with it, rank 0 removes a temporary checkpoint folder (not --checkpoint-dir's)."""
+    import shutil
+
+    dist.barrier()
+    if ctx.is_main and not args.checkpoint_dir:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# --- activation checkpointing --------------------------------------------------------------------------
+
+
+class Checkpointed(nn.Module):
+    """A block whose forward keeps no activations: backward runs it again (torch.utils.checkpoint). Wrapped
+    BEFORE fully_shard, so the FSDP unit is this module: the recomputation calls the inner block, inside the
+    unit's backward, when fully_shard has gathered the unit's weights already - no extra all-gather."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def activation_checkpointing(args, ctx, tokens) -> dict:
+    """The same fully_shard step with and without checkpointing each block: the allocator's peak, the
+    tensors saved for backward after forward, the all-gathers; the weights after the step are the same."""
+    mesh, facts, weights = world_mesh(ctx), {}, {}
+    inputs, targets = (lab6.my_rows(t, ctx) for t in lab6.global_batch(tokens, torch.Generator().manual_seed(args.seed), lab8_args(args), ctx))
+    for setting, wrap_block in (("plain", None), ("checkpointed", Checkpointed)):
+        model = sharded_model(args, ctx, mesh, wrap_block=wrap_block)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lab6.CHECK_LR)
+
+        def step():
+            optimizer.zero_grad()
+            with saved:
+                loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+            after_forward.append(storage_bytes(saved.alive()))
+            loss.backward()
+            optimizer.step()
+
+        saved, after_forward = SavedActivations(), []
+        step()  # warm-up: fully_shard's lazy initialisation
+        with count_collectives() as counter, allocations(ctx.device) as allocated:
+            step()
+        facts[setting] = {"allocator_peak_bytes": int(lab6.job_max(allocated["peak"], ctx)),
+                          "saved_after_forward_bytes": int(lab6.job_max(after_forward[-1], ctx)),
+                          "all_gathers": sum(kind == "all_gather" for kind, _ in counter.calls),
+                          "bytes_sent": counter.wire_bytes_per_rank(ctx.world_size)}  # fmt: skip
+        weights[setting] = model
+    equal = full_weights_equal(weights["plain"], weights["checkpointed"])
+    plain, ac = facts["plain"], facts["checkpointed"]
+    passed = ac["allocator_peak_bytes"] < plain["allocator_peak_bytes"] and ac["all_gathers"] == plain["all_gathers"] and equal
+    log(f"checkpoint  allocator peak {plain['allocator_peak_bytes'] / MIB:.2f} -> {ac['allocator_peak_bytes'] / MIB:.2f} MiB, saved for backward "
+        f"{plain['saved_after_forward_bytes'] / MIB:.2f} -> {ac['saved_after_forward_bytes'] / MIB:.2f} MiB, all-gathers per step "
+        f"{plain['all_gathers']} -> {ac['all_gathers']}, weights after the step equal: {equal}   {'PASS' if passed else 'FAIL'}")
+    return {**facts, "weights_equal": equal, "passed": passed}
+
+
+# --- gradient clipping across shards ---------------------------------------------------------------------
+
+
+def clip_sharded_(model, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ for the from-scratch FSDP (solutions/minifsdp.py): the norm of the WHOLE gradient.
+    Its square is the sum over ranks of each rank's slices' squares (one all-reduce) plus the replicated
+    parameters' squares, counted once (every rank holds the same). Every rank then scales by the same factor."""
+    slices = [p.grad for p in model.sharded if p.grad is not None]
+    replicated = [p.grad for p in model.replicated if p.grad is not None]
+    squares = torch.stack([g.pow(2).sum() for g in slices]).sum() if slices else torch.zeros((), device=replicated[0].device)
+    dist.all_reduce(squares)
+    total = (squares + sum(g.pow(2).sum() for g in replicated)).sqrt()
+    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule
+    for gradient in slices + replicated:
+        gradient.mul_(factor)
+    return total
+
+
+def one_process(args, ctx, tokens, steps: int, max_norm: float | None = None) -> tuple[torch.Tensor, list[float]]:
+    """The reference: one process, SGD on each step's whole global batch (clipped to max_norm if given);
+    every parameter flattened, and the gradient norm of each step."""
+    model = lab6.new_model(lab8_args(args), ctx)
+    optimizer, norms = torch.optim.SGD(model.parameters(), lr=lab6.CHECK_LR), []
+    for step in range(steps):
+        inputs, targets = global_batch(args, ctx, tokens, step)
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        optimizer.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), norms
+
+
+def clipped_training(args, ctx, tokens, how: str) -> tuple[torch.Tensor, list[float], torch.Tensor | None]:
+    """CLIP_STEPS SGD steps on this rank's rows, clipped to MAX_NORM: the full weights flattened, the norm
+    this rank computed at each step, and (our FSDP) this rank's copy of the replicated parameters.
+    how: "naive" (our FSDP, clip_grad_norm_ over this rank's slices and replicated parameters), "fixed"
+    (our FSDP, clip_sharded_), "fully_shard" (torch's clip_grad_norm_ on fully_shard's DTensors)."""
+    if how == "fully_shard":
+        model = wrapped = sharded_model(args, ctx, world_mesh(ctx))
+    else:
+        model = lab6.new_model(lab8_args(args), ctx)
+        wrapped = lab8.load_minifsdp("solutions").FSDP(model, units=list(model.blocks))
+    optimizer, norms = torch.optim.SGD(wrapped.parameters(), lr=lab6.CHECK_LR), []
+    for step in range(CLIP_STEPS):
+        inputs, targets = local_batch(args, ctx, tokens, step)
+        optimizer.zero_grad()
+        F.cross_entropy(wrapped(inputs).flatten(0, 1), targets.flatten()).backward()
+        if how != "fully_shard":
+            wrapped.finish_gradient_synchronization()
+        norm = clip_sharded_(wrapped, MAX_NORM) if how == "fixed" else torch.nn.utils.clip_grad_norm_(wrapped.parameters(), MAX_NORM)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        optimizer.step()
+    if how == "fully_shard":
+        return torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()]), norms, None
+    named = wrapped.gather_full_params()
+    replicas = torch.cat([p.detach().flatten() for p in wrapped.replicated])  # this rank's own copy
+    return torch.cat([named[n].flatten() for n, _ in model.named_parameters()]), norms, replicas
+
+
+def clipping(args, ctx, tokens) -> dict:
+    reference, reference_norms = one_process(args, ctx, tokens, CLIP_STEPS, MAX_NORM)
+    tolerance = lab6.EPS_PER_STEP * CLIP_STEPS * torch.finfo(torch.float32).eps * float(reference.abs().max())
+    facts, passed = {"max_norm": MAX_NORM, "reference_norms": reference_norms, "tolerance": tolerance}, True
+    for how in ("naive", "fixed", "fully_shard"):
+        weights, norms, replicas = clipped_training(args, ctx, tokens, how)
+        difference = lab6.job_max(float((weights - reference).abs().max()), ctx)
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, (norms, None if replicas is None else replicas.tolist()))
+        norms_agree = all(other[0] == everyone[0][0] for other in everyone)
+        replicas_agree = replicas is None or all(other[1] == everyone[0][1] for other in everyone)
+        expected = how != "naive"  # the naive clip must differ: per-rank norms, drifting replicas, other weights
+        agrees = [difference <= tolerance, norms_agree, replicas_agree]
+        ok = all(agrees) if expected else not any(agrees)
+        passed = passed and ok
+        facts[how] = {"max_abs_diff_vs_one_process": difference, "first_step_norms_by_rank": [other[0][0] for other in everyone],
+                      "norms_agree": norms_agree, "replicated_parameters_agree": replicas_agree, "passed": ok}  # fmt: skip
+        log(f"clip     {how:<11} first step's norm on each rank {', '.join(f'{other[0][0]:.4f}' for other in everyone)} "
+            f"(one process {reference_norms[0]:.4f}); replicated parameters equal on every rank: {replicas_agree}; "
+            f"max|w - one process| {difference:.1e} ({'must differ' if not expected else f'<= {tolerance:.1e}'})   {'PASS' if ok else 'FAIL'}")
+    facts["passed"] = passed
+    return facts
+
+
+def global_batch(args, ctx, tokens, step: int):
+    windows = sample_windows(tokens, GLOBAL_BATCH, lab6.CONTEXT, torch.Generator().manual_seed(args.seed + step))
+    return tuple(t.to(ctx.device) for t in windows)
+
+
+# --- HSDP on a 2 x 2 mesh --------------------------------------------------------------------------------
+
+
+def hsdp(args, ctx, tokens) -> dict:
+    """fully_shard on a 2-D mesh: shard over the 2 ranks of each row ("shard"), replicate across the rows
+    ("replicate") - a node of 2 GPUs, 2 nodes. Trained against one process; bytes per mesh dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rows = ctx.world_size // 2
+    mesh = init_device_mesh(ctx.device.type, (rows, 2), mesh_dim_names=("replicate", "shard"))
+    model = sharded_model(args, ctx, mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lab6.CHECK_LR)
+    for step in range(HSDP_STEPS):
+        inputs, targets = local_batch(args, ctx, tokens, step)
+        optimizer.zero_grad()
+        with count_collectives() as counter:
+            F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+        optimizer.step()
+    reference, _ = one_process(args, ctx, tokens, HSDP_STEPS)
+    weights = torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()])
+    tolerance = lab6.EPS_PER_STEP * HSDP_STEPS * torch.finfo(torch.float32).eps * float(reference.abs().max())
+    difference = lab6.job_max(float((weights - reference).abs().max()), ctx)
+    shard_group = tuple(dist.get_process_group_ranks(mesh.get_group("shard")))
+    replicate_group = tuple(dist.get_process_group_ranks(mesh.get_group("replicate")))
+    by_group = counter.wire_bytes_by_group()
+    s, g, r = storage_bytes(lab6.new_model(lab8_args(args), ctx).parameters()), 2, rows
+    measured = {"shard": by_group.get(shard_group, 0.0), "replicate": by_group.get(replicate_group, 0.0)}
+    # Within a row: all-gather before forward and before backward, reduce-scatter after (ZeRO-3 over g = 2
+    # ranks): 3 (g-1)/g S. Across rows: an all-reduce of this rank's 1/g of the gradient: 2 (r-1)/r S/g.
+    formula = {"shard": 3 * (g - 1) / g * s, "replicate": 2 * (r - 1) / r * s / g}
+    ratios = {dim: measured[dim] / formula[dim] for dim in formula}
+    passed = difference <= tolerance and all(abs(ratio - 1) <= lab8.BYTES_TOLERANCE for ratio in ratios.values())
+    log(f"hsdp     {r} x 2 mesh: max|w - one process| {difference:.1e} <= {tolerance:.1e}; bytes each rank sends per step "
+        f"within its pair (shard) {measured['shard'] / MIB:.3f} MiB = {ratios['shard']:.3f}x 3(g-1)/g S, across pairs (replicate) "
+        f"{measured['replicate'] / MIB:.3f} MiB = {ratios['replicate']:.3f}x 2(r-1)/r S/g   {'PASS' if passed else 'FAIL'}")
+    return {"mesh": [r, 2], "max_abs_diff_vs_one_process": difference, "tolerance": tolerance, "parameter_bytes": s,
+            "bytes_by_dimension": measured, "formula_by_dimension": formula, "ratio_by_dimension": ratios,
+            "calls_by_dimension": {dim: sorted({kind for (kind, _), ranks in zip(counter.calls, counter.groups) if ranks == group})
+                                   for dim, group in (("shard", shard_group), ("replicate", replicate_group))},
+            "passed": passed}  # fmt: skip
+
+
+# --- a full training state, saved on 2 ranks, resumed on 4 ----------------------------------------------
+
+
+def sgd_with_momentum(model):
+    return torch.optim.SGD(model.parameters(), lr=lab6.CHECK_LR, momentum=0.9)  # momentum: state worth saving
+
+
+def train_steps(args, ctx, tokens, model, optimizer, steps, group=None) -> None:
+    for step in steps:
+        inputs, targets = local_batch(args, ctx, tokens, step, group)
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+        optimizer.step()
+
+
+def resume(args, ctx, tokens) -> dict:
+    """Ranks 0-1 train RESUME_STEPS steps uninterrupted (the reference) and, separately, RESUME_AT steps,
+    then save model and optimizer with DCP; all ranks load both into a fresh fully_shard model and its
+    optimizer and train the remaining steps on the same global batches; and once more without loading the
+    optimizer's state (the control: momentum lost)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+
+    pair = dist.new_group([0, 1])  # every rank creates every group, in the same order
+    directory, reference = shared_directory(args, ctx, "resume"), None
+    if ctx.rank < 2:
+        model = sharded_model(args, ctx, world_mesh(ctx, pair))
+        optimizer = sgd_with_momentum(model)
+        train_steps(args, ctx, tokens, model, optimizer, range(RESUME_STEPS), pair)
+        reference = torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()])
+        model = sharded_model(args, ctx, world_mesh(ctx, pair))
+        optimizer = sgd_with_momentum(model)
+        train_steps(args, ctx, tokens, model, optimizer, range(RESUME_AT), pair)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory, process_group=pair)
+        del model, optimizer, model_state, optimizer_state
+    dist.barrier()  # the files exist before any rank reads them
+    facts = {}
+    for setting in ("model and optimizer", "model only"):
+        model = sharded_model(args, ctx, world_mesh(ctx), seed_offset=1)  # other weights until loaded
+        optimizer = sgd_with_momentum(model)
+        # get_state_dict creates the optimizer's state (a step with zero gradients) so that DCP can load into it
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state} | ({"optimizer": optimizer_state} if setting == "model and optimizer" else {})
+        dcp.load(state, checkpoint_id=directory)  # in place: each rank reads the pieces of its shards
+        if setting == "model and optimizer":
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        else:  # the control: the weights alone, a fresh optimizer - the momentum of the first steps is lost
+            set_model_state_dict(model, state["model"])
+            optimizer = sgd_with_momentum(model)
+        train_steps(args, ctx, tokens, model, optimizer, range(RESUME_AT, RESUME_STEPS))
+        facts[setting] = torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()])
+    remove_if_temporary(args, ctx, directory)
+    if reference is None:  # ranks 2.. did not train the reference: rank 0 sends it
+        reference = torch.empty_like(facts["model only"])
+    dist.broadcast(reference, src=0)
+    tolerance = lab6.EPS_PER_STEP * RESUME_STEPS * torch.finfo(torch.float32).eps * float(reference.abs().max())
+    differences = {setting: lab6.job_max(float((weights.cpu() - reference).abs().max()), ctx) for setting, weights in facts.items()}
+    passed = differences["model and optimizer"] <= tolerance < differences["model only"]
+    log(f"resume   saved by 2 ranks after {RESUME_AT} of {RESUME_STEPS} steps, resumed by {ctx.world_size}: max|w - uninterrupted| "
+        f"{differences['model and optimizer']:.1e} <= {tolerance:.1e}; without the optimizer's state {differences['model only']:.1e} "
+        f"(must differ)   {'PASS' if passed else 'FAIL'}")
+    return {"saved_on": 2, "resumed_on": ctx.world_size, "steps": RESUME_STEPS, "saved_after": RESUME_AT, "tolerance": tolerance,
+            "max_abs_diff_vs_uninterrupted": differences, "passed": passed}  # fmt: skip
+
+
+# --- the job ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    parser = CourseArgumentParser(prog="lab9_fsdp_practice.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from: {', '.join(PARTS)} (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="model initialization and batches")
+    parser.add_argument("--json", help="write every part's facts here (rank 0)")
+    parser.add_argument("--checkpoint-dir", help="a folder for the meta and resume parts' checkpoints (default: a temporary one)")
+    parser.add_argument("--snapshot-dir", help="GPU track: write a torch.cuda memory snapshot per implementation here")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    parser.add_argument("--timeout-s", type=positive_float, default=120.0, help="process-group timeout, seconds")
+    args = parser.parse_args(argv)
+    args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown or not args.parts:
+        parser.error(f"--parts: unknown {', '.join(unknown) or 'nothing given'}; choose from {', '.join(PARTS)}")
+    if args.json and Path(args.json).is_dir():
+        parser.error(f"--json {args.json} is a folder; give a file name")
+    return args
+
+
+RUNNERS = {"memory": memory, "meta": meta, "checkpoint": activation_checkpointing, "clip": clipping, "hsdp": hsdp, "resume": resume}
+
+
+def run(args, ctx) -> dict:
+    """Every part asked for, in order: {part: facts}; a part this world size cannot run says so."""
+    if ctx.world_size < 2:
+        raise CourseError(f"lab 9 needs 2 or more ranks (torchrun --standalone --nproc_per_node=2 or 4); this job has {ctx.world_size}")
+    tokens, _ = text_splits(encode_text(load_stdlib_text()))
+    log(f"config: parts={','.join(args.parts)} world_size={ctx.world_size} backend={ctx.backend} device={ctx.device.type}")
+    report = {"world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type}
+    for part in args.parts:
+        if part in FOUR_RANK_PARTS and (ctx.world_size < 4 or ctx.world_size % 2):
+            log(f"{part:<8} skipped: it needs an even number of ranks, 4 or more (this job has {ctx.world_size})")
+            continue
+        report[part] = RUNNERS[part](args, ctx, tokens)
+    return report
+
+
+def judge(args, ctx) -> int:
+    """run() in the job's process group; rank 0 writes --json; the exit status (0: every part PASSed)."""
+    try:
+        report = run(args, ctx)
+        if args.json and ctx.is_main:
+            atomic_write_json(report, args.json)
+        failed = [part for part in args.parts if part in report and not report[part]["passed"]]
+        if failed:
+            raise CourseError(f"FAILED: {', '.join(failed)} (the lines above say what)")
+        return 0
+    except CourseError as error:
+        log_error(str(error))
+        return 1
+
+
+def main(args) -> int:
+    try:
+        ctx = setup_distributed(args.backend, timeout_s=args.timeout_s)
+        return judge(args, ctx)
+    except CourseError as error:
+        log_error(str(error))
+        return 1
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))

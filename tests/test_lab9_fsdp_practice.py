@@ -1,0 +1,169 @@
+"""labs/lab9_fsdp_practice.py: every part PASSes on 2 and 4 gloo ranks, each claim holds in the numbers, and
+the reference the lab 9 sheet shows (solutions/lab9_reference/) is what the lab measures now.
+
+Lab 9 runs inside the launches tests/test_minddp.py, test_minifsdp.py and test_lab8_fsdp.py share (one per
+world size: conftest's `sharding_checks`): its judge() - what main() runs between setting up and tearing
+down the process group - on the memory, checkpoint and clip parts at 2 ranks, memory, meta, hsdp and
+resume at 4. The sheet draws the reference instead of launching the lab again (a 4-rank job on 2 cores
+would cost the suite what these launches already pay); so each world size's machine-independent facts -
+bytes, counts, verdicts, the phases of a step - must equal the reference's, and the machine-dependent ones
+(allocator peaks, float differences) must keep the reference's verdicts. One process and bad flags are
+refused in this process.
+"""
+
+import json
+import math
+
+import pytest
+
+from ddp_course.launch import REPO_ROOT, import_script
+
+LAB9 = REPO_ROOT / "labs" / "lab9_fsdp_practice.py"
+REFERENCE = REPO_ROOT / "solutions" / "lab9_reference"
+REGENERATE = ("stale reference: torchrun --standalone --nproc_per_node={n} labs/lab9_fsdp_practice.py --parts {parts} "
+              "--json solutions/lab9_reference/ranks{n}.json (solutions/lab9_reference/README.md)")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lab9():
+    return import_script(LAB9, "lab9_fsdp_practice")
+
+
+@pytest.fixture(scope="module")
+def fresh(sharding_checks):
+    """fresh(n) -> lab 9's report from the shared n-rank launch (after checking that it exited 0)."""
+
+    def report(n):
+        result, minddp_json = sharding_checks(n)
+        assert not result.timed_out, result.describe()
+        row = json.loads(minddp_json.with_name("lab9.json").read_text())
+        assert row["status"] == 0 and row["stderr"] == "", row["stdout"] + row["stderr"]
+        return row["report"]
+
+    return report
+
+
+def reference(n) -> dict:
+    return json.loads((REFERENCE / f"ranks{n}.json").read_text())
+
+
+def machine_independent(report: dict) -> dict:
+    """What must come out the same on any machine: bytes, counts, the phases of a step, the verdicts."""
+    found = {"world_size": report["world_size"]}
+    if "memory" in report:
+        memory = report["memory"]
+        found["memory"] = {key: memory[key] for key in ("categories", "labels", "sizes", "activations_after_forward", "passed")}
+        found["memory"]["impls"] = {impl: {key: facts[key] for key in ("bytes", "peak_bytes", "peak_at", "predicted_peak_bytes", "passed",
+                                                                        "bytes_per_step", "messages_per_step")}
+                                    for impl, facts in memory["impls"].items()}  # fmt: skip
+        found["memory"]["zero2_check"] = memory["zero2_check"]["passed"]
+    if "meta" in report:
+        found["meta"] = {key: report["meta"][key] for key in ("whole_model_bytes", "loaded_equals_saved", "passed")}
+    if "checkpoint" in report:
+        found["checkpoint"] = {setting: {key: report["checkpoint"][setting][key] for key in ("saved_after_forward_bytes", "all_gathers", "bytes_sent")}
+                               for setting in ("plain", "checkpointed")} | {"passed": report["checkpoint"]["passed"]}  # fmt: skip
+    if "clip" in report:
+        found["clip"] = {how: {key: report["clip"][how][key] for key in ("norms_agree", "replicated_parameters_agree", "passed")}
+                         for how in ("naive", "fixed", "fully_shard")}  # fmt: skip
+    if "hsdp" in report:
+        found["hsdp"] = {key: report["hsdp"][key] for key in ("mesh", "parameter_bytes", "bytes_by_dimension", "calls_by_dimension", "passed")}
+    if "resume" in report:
+        found["resume"] = {key: report["resume"][key] for key in ("saved_on", "resumed_on", "steps", "saved_after", "passed")}
+    return found
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("n, parts", [(2, "memory,checkpoint,clip"), (4, "memory,meta,hsdp,resume")])
+def test_the_reference_the_sheet_shows_is_what_the_lab_measures(fresh, n, parts):
+    report = fresh(n)
+    assert sorted(part for part in report if part in ("memory", "meta", "checkpoint", "clip", "hsdp", "resume")) == sorted(parts.split(","))
+    assert machine_independent(report) == machine_independent(reference(n)), REGENERATE.format(n=n, parts=parts)
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_implementations_peak_is_the_formulas(fresh, n):
+    """Measured within 5 % of the predicted peak, never above it by more; DDP's peak at the end of forward
+    (the activations and everything else still there), every FSDP's in backward's first block."""
+    memory = fresh(n)["memory"]
+    for impl, facts in memory["impls"].items():
+        assert facts["passed"] and abs(facts["peak_bytes"] / facts["predicted_peak_bytes"] - 1) <= memory["tolerance"], (impl, facts["peak_vs_predicted"])
+    peaks = {impl: facts["peak_bytes"] for impl, facts in memory["impls"].items()}
+    assert peaks["ddp"] > peaks["zero1"] > peaks["fully_shard_keep"] > peaks["fsdp"] and peaks["zero1"] > peaks["zero2"] > peaks["fsdp"]
+    assert memory["impls"]["ddp"]["peak_at"] == "forward < head" and memory["impls"]["fsdp"]["peak_at"].startswith("backward > blocks.")
+    totals = {impl: [sum(sample) for sample in facts["bytes"]] for impl, facts in memory["impls"].items()}
+    start = memory["labels"].index("start")
+    assert all(totals["fsdp"][start] < totals[other][start] for other in ("ddp", "zero1", "zero2"))  # between steps too
+    # ZeRO-2 from scratch: DDP's bytes per step, and the weights of one process on the global batch, at 2 and 4 ranks
+    impls = memory["impls"]
+    assert impls["zero2"]["bytes_per_step"] == pytest.approx(impls["ddp"]["bytes_per_step"], rel=0.01)
+    assert memory["zero2_check"]["passed"] and memory["zero2_check"]["max_abs_diff_vs_single_process"] <= memory["zero2_check"]["tolerance"]
+
+
+@pytest.mark.timeout(480)
+def test_no_rank_builds_the_whole_model(fresh):
+    """4 ranks: built on the meta device and loaded from a sharded checkpoint, no rank's allocator ever holds
+    the whole model's bytes (about a quarter), built whole first it does; the loaded weights are the saved."""
+    meta = fresh(4)["meta"]
+    assert meta["peak_bytes"]["meta"] < meta["whole_model_bytes"] / 2 < meta["whole_model_bytes"] <= meta["peak_bytes"]["whole_then_sharded"]
+    assert meta["loaded_equals_saved"] and meta["passed"]
+
+
+@pytest.mark.timeout(480)
+def test_activation_checkpointing_saves_memory_not_all_gathers(fresh):
+    checkpoint = fresh(2)["checkpoint"]
+    plain, checkpointed = checkpoint["plain"], checkpoint["checkpointed"]
+    assert checkpointed["allocator_peak_bytes"] < plain["allocator_peak_bytes"]
+    assert checkpointed["saved_after_forward_bytes"] < plain["saved_after_forward_bytes"] / 5
+    assert checkpointed["all_gathers"] == plain["all_gathers"] == 9 and checkpointed["bytes_sent"] == plain["bytes_sent"]
+    assert checkpoint["weights_equal"]
+
+
+@pytest.mark.timeout(480)
+def test_clipping_across_shards(fresh):
+    """The naive clip: each rank another norm, the replicated parameters apart, the weights off; the fix and
+    torch's clip on DTensors: every rank the one-process norm, within the derived bound of one process."""
+    clip = fresh(2)["clip"]
+    naive = clip["naive"]
+    assert len(set(naive["first_step_norms_by_rank"])) == 2 and not naive["norms_agree"] and not naive["replicated_parameters_agree"]
+    assert naive["max_abs_diff_vs_one_process"] > 100 * clip["tolerance"]
+    for how in ("fixed", "fully_shard"):
+        assert all(math.isclose(norm, clip["reference_norms"][0], rel_tol=1e-5) for norm in clip[how]["first_step_norms_by_rank"]), how
+        assert clip[how]["max_abs_diff_vs_one_process"] <= clip["tolerance"] and clip[how]["replicated_parameters_agree"], how
+
+
+@pytest.mark.timeout(480)
+def test_hsdp_sends_most_bytes_within_the_pair(fresh):
+    """2 x 2 mesh: all-gathers and reduce-scatters inside each pair, one all-reduce across: 3(g-1)/g S within
+    (the root keeps its weights from forward to backward by default: one all-gather fewer), 2(r-1)/r S/g across."""
+    hsdp = fresh(4)["hsdp"]
+    assert hsdp["calls_by_dimension"] == {"shard": ["all_gather", "reduce_scatter"], "replicate": ["all_reduce"]}
+    assert 0.98 <= hsdp["ratio_by_dimension"]["shard"] <= 1.0 and hsdp["ratio_by_dimension"]["replicate"] == pytest.approx(1.0, rel=0.001)  # padding
+    assert hsdp["max_abs_diff_vs_one_process"] <= hsdp["tolerance"] and hsdp["passed"]
+
+
+@pytest.mark.timeout(480)
+def test_a_training_state_saved_on_2_ranks_resumes_on_4(fresh):
+    resume = fresh(4)["resume"]
+    differences = resume["max_abs_diff_vs_uninterrupted"]
+    assert differences["model and optimizer"] <= resume["tolerance"] < 100 * resume["tolerance"] < differences["model only"]
+
+
+def test_one_process_is_refused_in_one_line(lab9, capsys):
+    assert lab9.main(lab9.parse_args(["--parts", "clip"])) == 1
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.count("\n") == 1 and ": error: lab 9 needs 2 or more ranks" in printed.err, printed
+
+
+def test_bad_flags_are_refused_in_one_line(lab9, refused_flag_line, tmp_path):
+    assert "--parts: unknown fsdp" in refused_flag_line(lab9, ["--parts", "memory,fsdp"])
+    assert "is a folder" in refused_flag_line(lab9, ["--json", str(tmp_path)])
+    assert "--timeout-s" in refused_flag_line(lab9, ["--timeout-s", "0"])
+
+
+def test_the_peak_formula_is_the_sheets():
+    """The formula's terms, on round numbers: W = 100 bytes of weights, N = 4, A = 1000."""
+    lab9 = import_script(LAB9, "lab9_fsdp_practice")
+    sizes = {"weights": 100, "root": 10, "block": 20, "bucket": 30}
+    predicted = {impl: lab9.predicted_peak(impl, sizes, 1000, 4) for impl in lab9.MEMORY_IMPLS}
+    assert predicted == {"ddp": 1400, "zero1": 1250, "zero2": 1180, "fsdp": 1105, "fully_shard": 1105, "fully_shard_keep": 1175}
