@@ -17,9 +17,9 @@ What it grades, and from which file (yours; with --solutions, the course's):
                       broken script passes it
   lab6                labs/minddp.py (solutions/minddp.py): each part's wrapper against one process and
                       torch's DDP (labs/lab6_ddp_from_scratch.py --module labs --repeats 0 --zero)
-  lab8                labs/minifsdp.py (solutions/minifsdp.py): labs/lab8_fsdp.py --impl fsdp --repeats 0,
-                      through its command line; its JSON record's check_passed is a row, and so is each
-                      entry of the record's "checks" ([{"name", "status", "evidence"}]) when the lab writes one
+  lab8                labs/minifsdp.py (solutions/minifsdp.py): labs/lab8_fsdp.py --part K through its
+                      command line, K the last part with no TODO left: each "part N  PASS|FAIL  name: ..."
+                      line it prints is a row (part 3's is the lab's whole check of --impl fsdp)
 
 A file you have not created yet (labs/my_ddp.py, my_lab4.py) fails every check of its exercise at once,
 and so does every part of labs/minddp.py or labs/minifsdp.py that still raises its TODO: nothing is
@@ -315,26 +315,45 @@ def lab6_rows(sources: Sources, run=None) -> list[Row]:
     return [rows[part] for part in sorted(rows)] + [gpu_row("lab6", "the wrappers on GPUs (NCCL)", exercise_file)]
 
 
+# Lab 8's per-part checks (labs/lab8_fsdp.py --part K prints one "part N  PASS|FAIL  name: detail" line
+# for each check of parts 1 to K), as the grader lists them when a part cannot be run.
+LAB8_CHECKS = {
+    1: ["shard_rows", "gather_full_params"],
+    2: ["forward", "full weights only around their use"],
+    3: ["the lab's whole check of --impl fsdp"],
+}
+PART_LINE = re.compile(r"^part (\d+)\s+(PASS|FAIL)\s+(.+?): (.*)$", re.MULTILINE)
+
+
 def lab8_rows(sources: Sources, run=None) -> list[Row]:
-    """labs/lab8_fsdp.py --impl fsdp, once no TODO of labs/minifsdp.py raises any more."""
+    """labs/lab8_fsdp.py --part K, K the last part of labs/minifsdp.py that has no TODO left (and none before it)."""
     exercise_file = sources.root / sources.module() / "minifsdp.py"
     left = todo_parts(exercise_file, 8)
-    check = "fsdp: weights equal one process's after the check's steps"
-    if left:
-        parts = ", ".join(map(str, sorted(left)))
-        rows = [Row("lab8", check, "FAIL", f"not done: TODOs of part(s) {parts} still raise in {display(exercise_file, sources)}")]
-    else:
-        result, records = (run or run_lab)(sources.root / "labs" / "lab8_fsdp.py", ["--impl", "fsdp", "--module", sources.module(), "--repeats", "0"])
-        record = next((r for r in records or [] if r.get("impl") == "fsdp"), None)
-        if record is None:
-            rows = [Row("lab8", check, "FAIL", lab_failure(result, "fsdp"))]
-        else:
-            ok = bool(record.get("check_passed"))
-            rows = [Row("lab8", check, "PASS" if ok else "FAIL", lab_line(result, "fsdp", ok))]
-            for entry in record.get("checks") or []:  # the lab's own further checks, when it reports them
-                status = entry.get("status") if entry.get("status") in STATUSES else ("PASS" if entry.get("status") is True else "FAIL")
-                rows.append(Row("lab8", str(entry.get("name")), status, str(entry.get("evidence", ""))))
+    done = 0
+    while done + 1 in LAB8_CHECKS and done + 1 not in left:
+        done += 1
+    rows = []
+    if done:
+        result = (run or run_command_of_lab)(sources.root / "labs" / "lab8_fsdp.py", ["--part", str(done), "--module", sources.module()])
+        for part, status, name, detail in PART_LINE.findall(result.stdout):
+            rows.append(Row("lab8", f"part {part}: {name}", status, detail))
+        ran = {int(part) for part, *_ in PART_LINE.findall(result.stdout)}
+        for part in range(1, done + 1):
+            if part not in ran:  # the job ended before this part's lines
+                rows += [Row("lab8", f"part {part}: {name}", "FAIL", lab_failure(result, "part")) for name in LAB8_CHECKS[part]]
+    for part in range(done + 1, max(LAB8_CHECKS) + 1):
+        why = (f"not done: TODO(lab 8, part {part}) still raises in {display(exercise_file, sources)}" if part in left
+               else f"needs part {done + 1} first (labs/lab8_fsdp.py --part {part} runs parts 1 to {part})")  # fmt: skip
+        rows += [Row("lab8", f"part {part}: {name}", "FAIL", why) for name in LAB8_CHECKS[part]]
+    rows.sort(key=lambda row: int(row.check.split()[1].rstrip(":")))
     return rows + [gpu_row("lab8", "peak memory per rank on GPUs", exercise_file)]
+
+
+def run_command_of_lab(script: Path, args: list[str]):
+    """torchrun --standalone --nproc_per_node=2 script args: its RunResult (labs that print their verdicts)."""
+    from ddp_course.launch import run_torchrun
+
+    return run_torchrun(script, args, nproc=2, timeout_s=LAB_TIMEOUT_S)
 
 
 def run_lab(script: Path, args: list[str]):
