@@ -1,7 +1,5 @@
 """DDP on one screen: labs/train_single.py turned into a DistributedDataParallel job, every DDP line in view.
-
-    torchrun --standalone --nproc_per_node=2 labs/ddp_minimal.py           # CPU: 2 processes, gloo
-    torchrun --standalone --nproc_per_node=NUM_GPUS labs/ddp_minimal.py    # GPUs: one process each, NCCL"""
+Launch: torchrun --standalone --nproc_per_node=2 labs/ddp_minimal.py (CPU, gloo); --nproc_per_node=NUM_GPUS on GPUs (NCCL)."""
 
 import argparse
 import gc
@@ -10,7 +8,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional  # noqa: F401 - before init, or its group= defaults keep the group alive at exit
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
@@ -18,6 +15,43 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from ddp_course.cli import positive_float, positive_int
 from ddp_course.data import load_digits
 from ddp_course.models import DigitsCNN
+# ---- NOT PART OF DDP: gloo (CPU) jobs on torch 2.14 can abort at exit ("terminate called without an active exception")
+# when the group outlives destroy_process_group(): DDP imports this module after init, and its group= defaults hold the group
+# (imported first, they hold None); DDP's reference cycles live until gc.collect() (main's end). See ddp_course/distributed.py.
+import torch.distributed.nn.functional  # noqa: E402,F401
+
+
+def train(args, rank, world_size, device):
+    torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
+    digits = load_digits()  # 1,438 training and 359 held-out 8x8 images, as tensors
+    model = DDP(DigitsCNN().to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    train_sampler = DistributedSampler(digits.train, shuffle=True, seed=args.seed)  # this rank's share
+    train_loader = DataLoader(digits.train, batch_size=args.batch_size, sampler=train_sampler)
+    test_loader = DataLoader(Subset(digits.test, range(rank, len(digits.test), world_size)), batch_size=256)
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank
+        model.train()
+        loss_sum, seen = 0.0, 0
+        for images, labels in train_loader:
+            images, labels = images.to(device), labels.to(device)
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(images), labels)  # mean over this rank's batch
+            loss.backward()  # DDP all-reduces the gradients here: every rank gets the average
+            optimizer.step()
+            loss_sum, seen = loss_sum + loss.item() * len(labels), seen + len(labels)
+        model.module.eval()  # score the bare model: DDP's forward can broadcast buffers, a collective (lecture 3)
+        with torch.no_grad():
+            hits = [model.module(images.to(device)).argmax(dim=1) == labels.to(device) for images, labels in test_loader]
+        correct, total = sum(int(h.sum()) for h in hits), sum(len(h) for h in hits)
+        sums = torch.tensor([loss_sum, seen, correct, total], dtype=torch.float64, device=device)
+        dist.all_reduce(sums)  # the job's totals: every rank's samples and held-out images, each once
+        loss_sum, seen, correct, total = sums.tolist()
+        if rank == 0:
+            print(f"epoch {epoch + 1}/{args.epochs}: train loss {loss_sum / seen:.4f}, held-out accuracy {correct / total:.4f} ({correct:.0f}/{total:.0f})")
+    if args.save and rank == 0:
+        torch.save(model.module.state_dict(), args.save)  # the bare model's keys, without "module."
+    dist.barrier()  # nobody leaves before the file is written
 
 
 def main():
@@ -32,47 +66,13 @@ def main():
         parser.error(f"--save: the folder of {args.save} does not exist")
     if "LOCAL_RANK" not in os.environ:
         parser.error("launch it with torchrun: torchrun --standalone --nproc_per_node=2 labs/ddp_minimal.py")
-    local_rank = int(os.environ["LOCAL_RANK"])  # torchrun's environment: this process's index on its machine
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)  # from LOCAL_RANK, never from RANK (RANK counts all machines)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=5))
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(minutes=5))  # a stuck collective fails, never hangs
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
-    digits = load_digits()  # 1,438 training and 359 held-out 8x8 images, as tensors
-    model = DDP(DigitsCNN().to(device), device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    train_sampler = DistributedSampler(digits.train, shuffle=True, seed=args.seed)  # this rank's share
-    train_loader = DataLoader(digits.train, batch_size=args.batch_size, sampler=train_sampler)
-    test_loader = DataLoader(Subset(digits.test, range(rank, len(digits.test), world_size)), batch_size=256)
-    for epoch in range(args.epochs):
-        train_sampler.set_epoch(epoch)  # a new shuffle every epoch, the same one on every rank
-        model.train()
-        for images, labels in train_loader:
-            images, labels = images.to(device), labels.to(device)
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(images), labels)  # mean over this rank's batch
-            loss.backward()  # DDP all-reduces the gradients here: every rank gets the average
-            optimizer.step()
-        model.eval()
-        correct, total = 0, 0
-        with torch.no_grad():
-            for images, labels in test_loader:
-                correct += int((model(images.to(device)).argmax(dim=1) == labels.to(device)).sum())
-                total += len(labels)
-        counts = torch.tensor([correct, total], device=device)
-        dist.all_reduce(counts)  # the job's totals: every held-out image counted once, on every rank
-        correct, total = counts.tolist()
-        if rank == 0:
-            print(f"epoch {epoch + 1}/{args.epochs}: held-out accuracy {correct / total:.4f} ({correct}/{total})")
-    if args.save and rank == 0:
-        torch.save(model.module.state_dict(), args.save)  # the bare model's keys, without "module."
-    dist.barrier()  # nobody leaves before the file is written
-    del model  # gloo can abort at exit while a DDP model is alive: drop it, collect it, then leave
-    gc.collect()
+    cuda, local_rank = torch.cuda.is_available(), int(os.environ["LOCAL_RANK"])  # LOCAL_RANK: the index on this machine
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")  # from LOCAL_RANK, never from RANK
+    if cuda:
+        torch.cuda.set_device(device)  # NCCL below on GPUs (device_id binds the group to this GPU), gloo on CPUs
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, timeout=timedelta(minutes=5))
+    train(args, dist.get_rank(), dist.get_world_size(), device)
+    gc.collect()  # NOT PART OF DDP (the workaround at the top): frees the DDP model train() dropped, then the group goes
     dist.destroy_process_group()
 
 

@@ -1,46 +1,83 @@
-"""Lab 3 conversion checker: run your DDP version of labs/train_single.py on 2 CPU ranks and judge it.
+"""Lab 3 conversion checker: run your DDP version of labs/train_realistic.py on 2 CPU ranks and judge it by behaviour.
 
-    cp labs/train_single.py labs/my_ddp.py        # then turn labs/my_ddp.py into a DDP script
-    python labs/lab3_convert_check.py             # checks labs/my_ddp.py
+    cp labs/train_realistic.py labs/my_ddp.py     # then turn labs/my_ddp.py into a DDP script
+    python labs/lab3_convert_check.py             # checks labs/my_ddp.py (about half a minute)
     python labs/lab3_convert_check.py SCRIPT      # checks another file
     python labs/lab3_convert_check.py --show-output SCRIPT    # also prints what SCRIPT printed
 
-What SCRIPT must accept and do (train_single.py already does all of it: keep it that way):
-- the flags --epochs N, --seed S, --batch-size B and --save PATH. The checker passes
-  --epochs 2 --seed 0 --batch-size 128 --save <a temporary folder>/model.pt. Under DDP --batch-size
-  is the batch of each process: the global batch is 2 x 128.
-- train ddp_course.models.DigitsCNN on ddp_course.data.load_digits(), reading the data with
-  DataLoaders in the main process (num_workers=0, the default), and write the trained weights with
-  torch.save(state_dict, PATH).
-- print the held-out accuracy of the weights it saves in a line that contains the word "accuracy"
-  followed by the number (0.9721, or 97.21%: enough digits to tell 1 image in 359); the last such
-  line printed counts (rank 0 printing it is enough).
+What SCRIPT must keep from labs/train_realistic.py: its flags (the checker passes SCRIPT_ARGS, with
+--batch-size now per process, and --save <a temporary folder>/model.pt), DigitsNet and RandomShift,
+load_digits(), torch.nn.utils.clip_grad_norm_ for clipping, the checkpoint's keys ("model",
+"optimizer", "scheduler", "epoch"), and the form of its lines: "step N: train loss X, ..." every
+--log-every steps and "epoch E/N: held-out accuracy A (c/t)" after every epoch.
 
-The checker never reads SCRIPT's source. It launches SCRIPT under torchrun on 2 gloo ranks through
-lab 4's observer (labs/lab4_observe.py), which records which samples each rank read, the weights and
-gradients of every optimizer step, every collective called from Python and every torch.save. The
-one-process reference is computed here, in the checker's own process: a DigitsCNN that starts from
-rank 0's initial weights and trains with SCRIPT's optimizer (same class, same settings) on the
-global batches (each step, both ranks' batches together), for REFERENCE_STEPS steps. Seven checks, one line each:
+The checker never reads SCRIPT's source. It observes SCRIPT through labs/lab4_observe.py, which
+records which samples each rank read, every micro-batch the DataLoader delivered (after its
+augmentation, also from worker processes), the gradients before and after every backward(), which
+DDP forwards synchronised their backward (no_sync or not), every clip_grad_norm_ call, the weights,
+gradients and learning rate at every optimizer step, every collective called from Python, every
+torch.save and torch.load, and the BatchNorm buffers each held-out pass starts with. In ONE launch
+it runs SCRIPT twice, in the same two processes: straight through 2 epochs, then resumed from a copy
+of the checkpoint the first run wrote after epoch 1 (--resume), for 1 more epoch. The job runs as
+two one-process nodes on this machine: two torchrun agents (--nnodes=2 --nproc_per_node=1) that meet
+at a c10d rendezvous on 127.0.0.1, as two machines would; LOCAL_RANK is then 0 on both ranks while
+RANK is 0 and 1, so a script that uses LOCAL_RANK where it means RANK shows it.
 
-  1 data-split       in epoch 0 the ranks read disjoint shares that cover the training set
-  2 epoch-shuffle    epoch 1 reads the samples in a new order
-  3 equal-replicas   both ranks hold the same weights before every optimizer step
-  4 global-gradient  the first 3 steps' gradients are the mean-loss gradients of the global batch,
-                     and after them the weights equal the one-process reference's
-  5 checkpoint       rank 0 alone writes --save, and a bare DigitsCNN loads it (no "module." keys)
-  6 job-metrics      the printed accuracy is the saved model's on the whole held-out set
-  7 clean-exit       every rank makes the same collective calls and the job exits with status 0
+The reference is one process on the global batch, computed here: the starting script's DigitsNet at
+each rank's recorded weights, on the micro-batches each rank received, each normalised by
+BatchNorm on its own as the one-process script normalises each of its micro-batches (one process
+that accumulates the 2 ranks' 3 micro-batches of a step as 6 micro-batches), with the starting
+script's learning-rate schedule for that global batch. Thirteen checks, one line each:
 
-Each line says PASS, FAIL with the evidence and a hint, or BLOCKED with the reason the check could
-not be decided (the job died first, or a failed check makes it meaningless). Exit status 0 only when
-all seven pass, 1 otherwise, 2 for a bad command line. A job that hangs is killed after JOB_TIMEOUT_S
-seconds.
+   1 data-split      in every epoch the ranks read disjoint shares that cover the training set
+   2 epoch-shuffle   epoch 1 reads the samples in a new order
+   3 equal-replicas  both ranks hold the same weights before every optimizer step
+   4 global-gradient every backward adds its micro-batch's mean-loss gradient / K to a .grad that
+                     started empty, the all-reducing one averaged over ranks; after 3 steps the weights
+                     are one process's on the same global batches (AdamW, schedule and clipping included)
+   5 checkpoint      rank 0 alone writes --save; a bare DigitsNet loads its "model" (no "module.")
+   6 job-metrics     the last printed accuracy is the saved model's on the whole held-out set
+   7 clean-exit      every rank makes the same collective calls and the job exits with status 0
+   8 clipping        one clip_grad_norm_ per optimizer step, after the all-reducing backward: the
+                     averaged gradient's norm, equal on both ranks, scaled as torch scales it
+   9 lr-schedule     every rank's learning rate equals one process's at every optimizer step
+  10 accumulation    every optimizer step runs K micro-batches and all-reduces once: only the last
+                     one's backward synchronises (the others run under no_sync())
+  11 printed-loss    one rank prints the loss, and what it prints is the job's: the mean over every
+                     rank's samples since the last line, within half a unit of its last printed digit
+  12 resume          the resumed run (every rank loads the checkpoint, with map_location) ends on the
+                     weights of the run that went straight through
+  13 batchnorm       every rank scores the held-out images with rank 0's BatchNorm statistics, the ones
+                     rank 0 saves (local statistics or SyncBatchNorm: either, consistently)
+
+Each line says PASS, FAIL with the evidence and a hint naming the concept and where the course
+teaches it, or BLOCKED with the reason the check could not be decided: the job died before it could
+be seen, or another check's failure already explains what this one would see (e.g. replicas that
+started apart cannot agree on an accuracy). Exit status 0 only when all pass, 1 otherwise, 2 for a
+bad command line. A job that hangs is killed after JOB_TIMEOUT_S seconds.
+
+What it cannot see:
+- the GPU half of the script. The job runs on CPUs with gloo (no GPU is visible to it), so the
+  device choice (cuda:LOCAL_RANK, torch.cuda.set_device, device_ids), NCCL, SyncBatchNorm (torch
+  2.14 runs it on GPUs only: convert to it only where the device is a GPU) and tensors left on the
+  wrong device are never executed here. map_location is checked as an argument only. Read those
+  lines against lecture 1's diff of labs/ddp_minimal.py, then run the script on a GPU machine.
+- check 6 barely sees two mistakes the course warns about, because on 2 ranks they change the
+  printed number by less than the tolerance of half an image in 359 (0.5/359 = 1.4e-3): a
+  DistributedSampler on the held-out set pads it to 360 with one repeated image, which moves the
+  accuracy by (359 - c)/(359 x 360), about 8e-5, when that image is classified correctly, and fails
+  only when it is not (2.7e-3); the mean of the two ranks' accuracies instead of their summed counts
+  differs from the job's by |a0 - a1|/(2 x 359), below 1.4e-3 for any a0, a1, so it always passes.
+  Both are wrong all the same (more ranks or uneven slices make them visible).
+- check 7's clean exit: the observer imports torch.distributed.nn.functional before SCRIPT runs
+  (labs/lab4_observe.py says why), so only the script's own cause of gloo's abort at exit (a DDP
+  model still alive at destroy_process_group()) can fail it; the hint names both causes.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import sys
 import tempfile
@@ -53,32 +90,51 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ddp_course.cli import CourseArgumentParser
 from ddp_course.launch import REPO_ROOT, import_script
-from ddp_course.models import DigitsCNN
 
-# Lab 4's checker observes and judges most of what matters here; this file reuses its functions.
+# Lab 4's checker observes and judges some of what matters here; this file reuses its functions.
 lab4 = import_script(Path(__file__).resolve().parent / "lab4_check.py", name="lab4_check_for_lab3")
+# The starting script: its model, and its schedule, are the reference's.
+START = import_script(Path(__file__).resolve().parent / "train_realistic.py", name="train_realistic_for_lab3")
 
 DEFAULT_SCRIPT = "labs/my_ddp.py"
 WORLD_SIZE = lab4.WORLD_SIZE  # 2 gloo ranks
-BATCH_SIZE = lab4.BATCH_SIZE  # 128 per rank: 6 steps per epoch with a correct split
-SCRIPT_ARGS = ["--epochs", "2", "--seed", "0", "--batch-size", str(BATCH_SIZE)]  # + --save PATH
-RECORDED_STEPS = 100  # the observer saves weights and gradients of this many steps: all of them here
-REFERENCE_STEPS = 3  # steps recomputed in one process (each costs a forward and backward pass of the global batch)
-JOB_TIMEOUT_S = 120
+NODES = 2  # as two one-process nodes: LOCAL_RANK 0 on both ranks (see the docstring)
+EPOCHS, BATCH_SIZE, ACCUMULATION, PEAK_LR, WARMUP_STEPS, CLIP_NORM, LOG_EVERY = 2, 48, 3, 4e-3, 3, 0.5, 2
+# 719 samples per rank: 15 micro-batches of 48 (the last 47), so 5 optimizer steps per epoch of 3
+# micro-batches each, 10 in the run; the clip norm is below the early gradients' norm, so it clips.
+SCRIPT_ARGS = [
+    "--epochs", str(EPOCHS), "--seed", "0", "--batch-size", str(BATCH_SIZE), "--accumulation", str(ACCUMULATION),
+    "--lr", str(PEAK_LR), "--weight-decay", "0.05", "--warmup-steps", str(WARMUP_STEPS), "--clip-norm", str(CLIP_NORM),
+    "--workers", "1", "--log-every", str(LOG_EVERY),
+]  # fmt: skip  # + --save PATH, and --resume for the second run
+RESUME_AFTER_EPOCH = 1  # the second run starts from the checkpoint the first wrote after this epoch
+RECORDED_STEPS = 1000  # the observer saves the details of every optimizer step (there are 10)
+REFERENCE_STEPS = 3  # steps replayed in one process for check 4
+JOB_TIMEOUT_S = 150  # both runs, start-up included
+TOLERANCE = 1e-4  # relative, for recomputed gradients and norms; float32 recomputation agrees to about 1e-6
 REPLICA_TOLERANCE = 1e-6  # relative; DDP keeps the replicas bit for bit equal
-REPLAY_TOLERANCE = 1e-3  # relative, on the distance the weights travelled; rounding gives about 1e-6
+REPLAY_TOLERANCE = 1e-3  # relative, on the distance the weights travelled in the replay
+OBSERVER_ENV = {"LAB4_OBSERVE_STEPS": str(RECORDED_STEPS), "LAB4_OBSERVE_SNAPSHOTS": "1"}
 
 CHECKS = {
-    1: ("data-split", "give the DataLoader a DistributedSampler: in every epoch each rank must read its own share of the samples"),
-    2: ("epoch-shuffle", "call sampler.set_epoch(epoch) before each epoch: the sampler shuffles with its seed plus the epoch number"),
-    3: ("equal-replicas", "DDP broadcasts rank 0's weights when it wraps the model, then gives every rank the same averaged gradient; replicas that start apart never meet again"),
-    4: ("global-gradient", "DDP's backward() already averages the gradients over ranks: back-propagate your batch's mean loss as it is, and clear the gradients every step"),
-    5: ("checkpoint", "save once, on rank 0 (ranks writing the same file race), the bare model's weights: model.module.state_dict(), then a barrier"),
-    6: ("job-metrics", "each rank scores only its part of the held-out set: all-reduce the counts (correct, seen) before printing the accuracy"),
-    7: ("clean-exit", "every rank must make the same collective calls in the same order; before destroy_process_group(), let the DDP model go and gc.collect()"),
+    1: ("data-split", "give the DataLoader a DistributedSampler with the job-wide rank (RANK, or dist.get_rank()), never LOCAL_RANK, which starts at 0 again on every machine: in every epoch each rank must read its own share (lecture 3 section 1; lab 3 section 2)"),
+    2: ("epoch-shuffle", "call sampler.set_epoch(epoch) before each epoch: the sampler shuffles with its seed plus the epoch number (lecture 3 section 3)"),
+    3: ("equal-replicas", "DDP broadcasts rank 0's weights when it wraps the model (unless init_sync=False), then gives every rank the same averaged gradient; replicas that start apart never meet again (lecture 1 section 5.4)"),
+    4: ("global-gradient", "DDP's backward averages the gradients over ranks: back-propagate each micro-batch's mean loss / K as the one-process script does, no extra factor for the world size, and clear the gradients after each optimizer step (lecture 1 sections 2-3; lab 4)"),
+    5: ("checkpoint", "save once, on rank 0 (ranks writing the same file race), the bare model's weights: model.module.state_dict() (or the model you wrapped), then a barrier (lab 3 section 4; lecture 6 section 4)"),
+    6: ("job-metrics", "each rank scores only its part of the held-out set: all-reduce the counts (correct, seen) before printing the accuracy (lecture 3 section 5)"),
+    7: ("clean-exit", "every rank must make the same collective calls in the same order (a collective inside `if rank == 0:` waits forever). A gloo job aborts at exit (terminate called without an active exception) when its process group outlives destroy_process_group(), for two causes: a DDP model still alive (return from the function that built it, or del it, then gc.collect() before destroy_process_group()), and torch.distributed.nn.functional first imported after init_process_group (import it before). labs/ddp_minimal.py marks both workarounds (lecture 1 section 4; lab 4)"),
+    8: ("clipping", "clip once per optimizer step, after the backward that all-reduces (the last micro-batch's): then clip_grad_norm_ sees the averaged gradient, and every rank computes the same norm; clipping earlier clips each rank's own partial gradient with its own norm (lecture 4 section 4.1)"),
+    9: ("lr-schedule", "step the scheduler once per optimizer step, and count the schedule's steps from what this rank runs: len(train_loader) / accumulation per epoch, which the DistributedSampler already divides by the world size (lecture 1 section 8)"),
+    10: ("accumulation", "run every micro-batch but a step's last under ddp_model.no_sync(): their gradients stay local and add up in .grad, and the last backward all-reduces the sum, once per optimizer step (lab 3 section 3; lecture 5a section 8)"),
+    11: ("printed-loss", "all-reduce [sum of per-sample losses, samples] over the ranks, then print on rank 0 alone: each rank only sees its own shard's loss (lab 3 section 2, job-wide numbers)"),
+    12: ("resume", "every rank loads the checkpoint rank 0 wrote (model, optimizer and scheduler), with map_location=its device, before training goes on; loading on rank 0 alone leaves the other ranks' optimizer and schedule at their start (lab 3 section 4; lecture 6 section 4)"),
+    13: ("batchnorm", "BatchNorm's running statistics are each rank's own (DDP only copies rank 0's at each training forward): before evaluating and saving, give every rank rank 0's (dist.broadcast each buffer), or use SyncBatchNorm on GPUs, so the model that is scored is the one that is saved (lecture 1 section 5.2; lecture 4 section 2.7)"),
 }  # fmt: skip
 # The held-out accuracy the script printed: the first decimal number (or number followed by %) after "accuracy".
 ACCURACY = re.compile(r"accuracy.*?(\d+\.\d+|\d+(?=\s*%))(\s*%)?", re.IGNORECASE)
+# A training-loss line: "step N: train loss X, ...".
+LOSS_LINE = re.compile(r"\bstep (\d+)\b.*?\bloss (\d+\.\d+)")
 
 
 @dataclass
@@ -89,7 +145,7 @@ class Verdict:
 
     def line(self) -> str:
         name, hint = CHECKS[self.number]
-        text = f"{self.number} {name:<15} {self.status:<7} {self.evidence}"
+        text = f"{self.number:>2} {name:<15} {self.status:<7} {self.evidence}"
         return text + (f" -- hint: {hint}" if self.status == "FAIL" else "")
 
 
@@ -98,20 +154,40 @@ def renumbered(number: int, verdict) -> Verdict:
     return Verdict(number, verdict.status, verdict.evidence)
 
 
+# --- the job: two runs in one launch --------------------------------------------------------------------
 def script_args(out_dir: Path) -> list:
-    """The learner's script's flags: SCRIPT_ARGS, and its checkpoint goes into out_dir."""
+    """The straight run's flags: SCRIPT_ARGS, and its checkpoint goes into out_dir."""
     return [*SCRIPT_ARGS, "--save", out_dir / "model.pt"]
 
 
-OBSERVER_ENV = {"LAB4_OBSERVE_STEPS": str(RECORDED_STEPS)}  # the observer records the first steps' gradients
+def resumed_args(out_dir: Path) -> list:
+    return [*script_args(out_dir), "--resume"]
 
 
-def observe(script: Path, out_dir: Path):
-    return lab4.observe(script, out_dir, script_args=script_args(out_dir), env=OBSERVER_ENV, timeout_s=JOB_TIMEOUT_S)
+def first_checkpoint(straight_dir: Path) -> Path:
+    """The observer's copy of the first file rank 0 saved in the straight run: the checkpoint of epoch 1."""
+    return straight_dir / "saved" / f"{RESUME_AFTER_EPOCH}-r0.pt"
 
 
+def runs(script: Path, out_dir: Path) -> list[dict]:
+    """The straight run, then the resumed one, which starts from a copy of the straight run's epoch-1 checkpoint."""
+    straight, resumed = out_dir / "straight", out_dir / "resumed"
+    return [
+        {"name": "straight", "out_dir": straight, "script": script, "args": script_args(straight), "env": OBSERVER_ENV},
+        {"name": "resumed", "out_dir": resumed, "script": script, "args": resumed_args(resumed), "env": OBSERVER_ENV,
+         "copy": [[str(first_checkpoint(straight)), str(resumed / "model.pt")]]},
+    ]  # fmt: skip
+
+
+def observe(script: Path, out_dir: Path) -> tuple:
+    """(straight, resumed) Observations of one launch of the two runs."""
+    observed = lab4.observe_runs(runs(script, out_dir), out_dir, JOB_TIMEOUT_S, nodes=NODES)
+    return observed["straight"], observed["resumed"]
+
+
+# --- what the runs left ---------------------------------------------------------------------------------
 def recorded_steps(obs) -> list[dict[int, dict]]:
-    """[{rank: what the observer saved before that optimizer step}], for the steps every rank recorded."""
+    """[{rank: what the observer saved at that optimizer step}], for the steps every rank recorded."""
     steps = []
     for step in range(1, RECORDED_STEPS + 1):
         records = {rank: obs.step_record(rank, step) for rank in range(WORLD_SIZE)}
@@ -121,77 +197,195 @@ def recorded_steps(obs) -> list[dict[int, dict]]:
     return steps
 
 
-# --- check 3: equal replicas ----------------------------------------------------------------------------
-def check_equal_replicas(obs, steps) -> tuple[Verdict, bool | None]:
-    """Verdict, and whether the replicas are still equal at the last recorded step (None: not observed)."""
-    if not steps:
-        return Verdict(3, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}"), None
+def stdout_of(obs, rank: int) -> str:
+    path = obs.out_dir / f"stdout-r{rank}.txt"
+    return path.read_text() if path.exists() else ""
+
+
+def reference_model():
+    return START.DigitsNet()
+
+
+class Reference:
+    """One process on the global batch, at each rank's recorded weights: micro-batch gradients and losses.
+
+    A micro-batch's gradient is that of its mean cross-entropy, with BatchNorm in training mode
+    (statistics of that micro-batch alone), at the weights rank r held in that step (the weights do
+    not change within a step). Computed once per (step, rank, micro-batch) and cached.
+    """
+
+    def __init__(self, steps):
+        self.steps, self.model, self.cache = steps, reference_model(), {}
+        self.shapes_ok = bool(steps) and steps[0][0]["shapes"] == [list(p.shape) for p in self.model.parameters()]
+
+    def micro_batch(self, step: int, rank: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gradient of the mean loss, per-sample losses) of micro-batch `index` of `step` (0-based) on `rank`."""
+        key = (step, rank, index)
+        if key not in self.cache:
+            self.cache[key] = self._forward(step, rank, index, backward=True)
+        return self.cache[key]
+
+    def losses(self, step: int, rank: int, index: int) -> torch.Tensor:
+        """The per-sample losses alone (a forward pass only, unless the gradient is known already)."""
+        key = (step, rank, index)
+        return self.cache[key][1] if key in self.cache else self._forward(step, rank, index, backward=False)[1]
+
+    def _forward(self, step: int, rank: int, index: int, backward: bool):
+        record = self.steps[step][rank]
+        images, labels = record["micro_batches"][index]["tensors"][:2]
+        vector_to_parameters(record["params"].clone(), self.model.parameters())
+        self.model.train()  # BatchNorm normalises with this micro-batch's statistics, as in the job
+        self.model.zero_grad(set_to_none=True)
+        with torch.enable_grad() if backward else torch.no_grad():
+            losses = F.cross_entropy(self.model(images), labels, reduction="none")
+        if not backward:
+            return None, losses
+        losses.mean().backward()
+        return parameters_to_vector(p.grad for p in self.model.parameters()).detach(), losses.detach()
+
+    def step_gradient(self, step: int) -> torch.Tensor:
+        """One process's gradient for a step: the mean over ranks of each rank's micro-batch gradients / K."""
+        per_rank = []
+        for rank in range(WORLD_SIZE):
+            count = len(self.steps[step][rank]["micro_batches"])
+            per_rank.append(sum(self.micro_batch(step, rank, j)[0] for j in range(count)) / ACCUMULATION)
+        return torch.stack(per_rank).mean(dim=0)
+
+
+def micro_batches_ok(steps) -> str | None:
+    """Why the recorded micro-batches cannot be used for a recomputation, or None."""
     for number, records in enumerate(steps, start=1):
-        for rank in range(1, WORLD_SIZE):
-            difference = lab4.relative(records[0]["params"], records[rank]["params"])
-            if difference > REPLICA_TOLERANCE:
-                if number == 1:
-                    evidence = f"before the first optimizer step rank {rank}'s weights differ from rank 0's (relative difference {difference:.2f}): the replicas started apart"
-                else:
-                    evidence = f"the replicas started equal, but before optimizer step {number} rank {rank}'s weights differ from rank 0's (relative difference {difference:.1e})"
-                return Verdict(3, "FAIL", evidence), lab4.relative(steps[-1][0]["params"], steps[-1][rank]["params"]) <= REPLICA_TOLERANCE
+        for rank, record in records.items():
+            batches = record["micro_batches"]
+            if not batches:
+                return f"in step {number} rank {rank} trained on no batch from a DataLoader over the digits"
+            if any(len(mb["tensors"]) < 2 for mb in batches):
+                return f"in step {number} rank {rank}'s batches are not (images, labels) pairs"
+            if any(mb["grad_after"] is None for mb in batches):
+                return f"in step {number} rank {rank} ran a micro-batch without a backward() of a DDP model's loss"
+    return None
+
+
+# --- checks 1 and 2: which samples each rank read -------------------------------------------------------
+def check_data_split(obs, train_size: int) -> Verdict:
+    """In each of the run's epochs, disjoint shares that cover the training set."""
+    for epoch in range(EPOCHS):
+        orders = {rank: obs.batches(rank, "train", epoch) for rank in range(WORLD_SIZE)}
+        silent = [rank for rank, order in orders.items() if not order]
+        if silent:
+            return Verdict(1, "BLOCKED", f"rank {silent[0]} read no training batch in epoch {epoch}: the job {obs.ended()}")
+        shared = set(orders[0]) & set(orders[1])
+        if len(shared) >= WORLD_SIZE:  # DistributedSampler pads the last round with fewer than world_size repeats
+            first = next(i for i in orders[0] if i in shared)
+            return Verdict(1, "FAIL", f"ranks 0 and 1 both trained on sample {first} in epoch {epoch} ({len(shared)} of the {train_size} training samples were read by both)")
+        unread = set(range(train_size)) - set().union(*orders.values())
+        if unread:
+            return Verdict(1, "FAIL", f"{len(unread)} training samples were read by no rank in epoch {epoch} (sample {min(unread)}, ...)")
+    sizes = ", ".join(str(len(obs.batches(rank, "train", 0))) for rank in range(WORLD_SIZE))
+    return Verdict(1, "PASS", f"in each of the {EPOCHS} epochs the ranks read disjoint shares ({sizes} samples) covering all {train_size}")
+
+
+# --- check 3: equal replicas ----------------------------------------------------------------------------
+def check_equal_replicas(obs, steps) -> Verdict:
+    if not steps:
+        return Verdict(3, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
+    for number, records in enumerate(steps, start=1):
+        difference = lab4.relative(records[0]["params"], records[1]["params"])
+        if difference <= REPLICA_TOLERANCE:
+            continue
+        if number == 1:
+            return Verdict(3, "FAIL", f"before the first optimizer step rank 1's weights differ from rank 0's (relative difference {difference:.2f}): the replicas started apart")
+        applied = lab4.relative(steps[number - 2][0]["grads"], steps[number - 2][1]["grads"])
+        if applied > REPLICA_TOLERANCE:  # different gradients, different weights: the gradient's checks say why
+            return Verdict(3, "BLOCKED", f"the replicas started equal, but the ranks applied different gradients in step {number - 1} (relative difference {applied:.1e}): checks 4 and 8 judge those")
+        return Verdict(3, "FAIL", f"the replicas started equal and applied the same gradient in step {number - 1}, but before step {number} rank 1's weights differ from rank 0's (relative difference {difference:.1e}): the optimizers differ")
     made = [sum(event["kind"] == "step" for event in obs.events.get(rank, [])) for rank in range(WORLD_SIZE)]
     if len(set(made)) > 1:
-        counts = " and ".join(f"rank {rank} {count}" for rank, count in enumerate(made))
-        return Verdict(3, "FAIL", f"the ranks made different numbers of optimizer steps ({counts})"), None
-    return Verdict(3, "PASS", f"both ranks held the same weights before each of their {len(steps)} optimizer steps"), True
+        return Verdict(3, "FAIL", f"the ranks made different numbers of optimizer steps (rank 0 {made[0]}, rank 1 {made[1]})")
+    return Verdict(3, "PASS", f"both ranks held the same weights before each of their {len(steps)} optimizer steps")
 
 
-# --- check 4: the global batch's gradient, and the one-process reference ------------------------------------------
-def check_global_gradient(obs, steps, train, started_equal: bool) -> Verdict:
-    steps = steps[: REFERENCE_STEPS + 1]  # the weights before step REFERENCE_STEPS + 1 end the replay
-    pairs, problem = lab4.gradient_steps(obs, train, count=REFERENCE_STEPS, own_params=True)
-    scale_verdict, scale = lab4.check_gradient_scale(pairs, problem, obs)
-    if scale_verdict.status != "PASS":
-        return renumbered(4, scale_verdict)
-    fresh_verdict = lab4.check_fresh_gradients(pairs, problem, scale, obs)
-    if fresh_verdict.status != "PASS":
-        return renumbered(4, fresh_verdict)
-    if not started_equal:  # each rank's gradient was checked at its own weights; there is no one model to follow
-        return Verdict(
-            4, "PASS",
-            f"the gradient of each of the first {len(pairs)} steps is the mean over ranks of each rank's batch-mean gradient at its "
-            f"own weights; the weights are not compared with one process, as the replicas differ (check 3)",
-        )  # fmt: skip
-    gradients = f"the gradient of each of the first {len(pairs)} steps is the global batch's mean-loss gradient ({WORLD_SIZE} ranks x {BATCH_SIZE} samples)"
-    replay = replay_in_one_process(steps, train)
+def replicas_equal(steps) -> bool:
+    return bool(steps) and all(lab4.relative(records[0]["params"], records[1]["params"]) <= REPLICA_TOLERANCE for records in steps)
+
+
+# --- check 4: each backward's gradient, and the one-process replay -------------------------------------
+def check_global_gradient(obs, steps, reference, others_pass: dict[int, bool]) -> Verdict:
+    if not steps:
+        return Verdict(4, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
+    if not reference.shapes_ok:
+        return Verdict(4, "BLOCKED", "the optimizer's parameters are not those of labs/train_realistic.py's DigitsNet")
+    if problem := micro_batches_ok(steps[:REFERENCE_STEPS]):
+        return Verdict(4, "BLOCKED", problem)
+    observed_parts, expected_parts = [], []
+    for step, records in enumerate(steps[:REFERENCE_STEPS]):
+        for rank, record in records.items():
+            first = record["micro_batches"][0]["grad_before"]
+            if first is not None and float(first.abs().max()) > 0:
+                return Verdict(4, "FAIL", f"step {step + 1}'s first backward on rank {rank} added to a gradient left over from step {step}: gradients pile up from step to step")
+        for j, micro_batch in enumerate(records[0]["micro_batches"]):
+            expected = [reference.micro_batch(step, rank, j)[0] / ACCUMULATION for rank in range(WORLD_SIZE)]
+            befores = [records[rank]["micro_batches"][j]["grad_before"] for rank in range(WORLD_SIZE)]
+            befores = [torch.zeros_like(expected[0]) if b is None else b for b in befores]
+            afters = [records[rank]["micro_batches"][j]["grad_after"] for rank in range(WORLD_SIZE)]
+            if micro_batch["synced"]:  # DDP averaged: after = mean over ranks of (before + this micro-batch's gradient)
+                if lab4.relative(afters[0], afters[1]) > TOLERANCE:
+                    return Verdict(4, "FAIL", f"after the all-reducing backward of step {step + 1} the ranks hold different gradients: they were not averaged")
+                observed_parts.append(afters[0] - torch.stack(befores).mean(dim=0))
+                expected_parts.append(torch.stack(expected).mean(dim=0))
+            else:  # a local backward: after = before + this micro-batch's gradient, on each rank
+                for rank in range(WORLD_SIZE):
+                    observed_parts.append(afters[rank] - befores[rank])
+                    expected_parts.append(expected[rank])
+    observed, expected = torch.cat(observed_parts), torch.cat(expected_parts)
+    scale, residual = lab4.best_multiple(observed, expected)
+    global_batch = f"{WORLD_SIZE} ranks x {ACCUMULATION} micro-batches of {BATCH_SIZE}"
+    if residual > TOLERANCE:
+        return Verdict(4, "FAIL", f"the backward passes of the first {REFERENCE_STEPS} steps do not add the mean-loss gradients of their micro-batches: relative difference {lab4.relative(observed, expected):.2f}")
+    if abs(scale - 1) > TOLERANCE:
+        return Verdict(4, "FAIL", f"each backward adds {scale:.2f} x its micro-batch's mean-loss gradient / {ACCUMULATION}: the step's gradient is {scale:.2f} x the global batch's ({global_batch})")
+    gradients = f"every backward of the first {REFERENCE_STEPS} steps added its micro-batch's mean-loss gradient / {ACCUMULATION} to an empty .grad, the all-reducing one averaged over ranks: the global batch's gradient ({global_batch})"
+    blocking = [number for number in (3, 8, 9) if not others_pass.get(number)]
+    if blocking:
+        return Verdict(4, "PASS", f"{gradients}; not replayed in one process, as check {', '.join(map(str, blocking))} failed")
+    replay = replay_in_one_process(steps[: REFERENCE_STEPS + 1], reference)
     if isinstance(replay, str):
         return Verdict(4, "PASS", f"{gradients}; {replay}")
     difference, step = replay
     if difference > REPLAY_TOLERANCE:
-        return Verdict(4, "FAIL", f"{gradients}, but after {step} steps rank 0's weights are not those of one process trained from the same start with the same optimizer on the same global batches (relative difference {difference:.2f})")
-    return Verdict(4, "PASS", f"{gradients}, and after {len(steps) - 1} steps the weights equal those of one process trained on the same global batches")
+        return Verdict(4, "FAIL", f"{gradients}, but after {step} steps rank 0's weights are not those of one process with the same optimizer, schedule and clipping on the same global batches (relative difference {difference:.2f})")
+    return Verdict(4, "PASS", f"{gradients}; after {REFERENCE_STEPS} steps the weights equal one process's on the same global batches (AdamW, schedule and clipping replayed)")
 
 
-def replay_in_one_process(steps, train) -> tuple[float, int] | str:
-    """Train one DigitsCNN on the global batches with the script's optimizer, from rank 0's first weights.
+def replay_in_one_process(steps, reference) -> tuple[float, int] | str:
+    """Train one DigitsNet on the global batches with the script's optimizer, from rank 0's first weights.
 
+    Each step: one process's gradient (Reference.step_gradient, recomputed at the replay's own weights),
+    clipped to CLIP_NORM as clip_grad_norm_ does, the recorded learning rate, the optimizer's step.
     Returns the worst relative difference between the distances rank 0's weights and the replay's
     travelled from the start, and the step after which it occurred; or why no replay was possible.
     """
-    images, labels = train.tensors
     first = steps[0][0]
-    settings = first.get("optimizer") or {"class": "?", "groups": []}
+    settings = first["optimizer"]
     optimizer_class = getattr(torch.optim, settings["class"], None)
     if not isinstance(optimizer_class, type) or len(settings["groups"]) != 1:
-        return f"the weights are not compared with one process: its optimizer ({settings['class']}, {len(settings['groups'])} parameter groups) is not one torch.optim optimizer with one group"
-    model = DigitsCNN()
-    vector_to_parameters(first["params"].clone(), model.parameters())  # a copy: the parameters become views of it
+        return f"not replayed in one process: its optimizer ({settings['class']}, {len(settings['groups'])} parameter groups) is not one torch.optim optimizer with one group"
+    model = reference_model()
+    vector_to_parameters(first["params"].clone(), model.parameters())
     accepted = inspect.signature(optimizer_class).parameters
     optimizer = optimizer_class(model.parameters(), **{k: v for k, v in settings["groups"][0]["settings"].items() if k in accepted and k != "params"})
+    # The same micro-batches, at the replay's own weights (copies: the recorded steps stay as they were).
+    replay = Reference([{rank: dict(record) for rank, record in records.items()} for records in steps])
     worst = (0.0, 0)
-    for number, records in enumerate(steps[:-1], start=1):
-        optimizer.param_groups[0].update(records[0]["optimizer"]["groups"][0]["settings"])  # a scheduler may change lr
-        optimizer.zero_grad(set_to_none=True)
-        batches = [torch.tensor(records[rank]["batch"]) for rank in sorted(records)]
-        # DDP's loss: the mean over ranks of each rank's batch-mean loss.
-        loss = sum(F.cross_entropy(model(images[batch]), labels[batch]) for batch in batches) / len(batches)
-        loss.backward()
+    for number, records in enumerate(replay.steps[:-1], start=1):
+        for rank in range(WORLD_SIZE):
+            records[rank]["params"] = parameters_to_vector(model.parameters()).detach().clone()
+        replay.cache = {}
+        gradient = replay.step_gradient(number - 1)
+        gradient = gradient * min(1.0, CLIP_NORM / (float(gradient.norm()) + 1e-6))  # torch's clip_grad_norm_ rule
+        optimizer.param_groups[0].update(records[0]["optimizer"]["groups"][0]["settings"])  # the schedule's lr
+        for parameter, piece in zip(model.parameters(), split_like(gradient, model), strict=True):
+            parameter.grad = piece
         optimizer.step()
         travelled_ddp = steps[number][0]["params"] - first["params"]
         travelled_replay = parameters_to_vector(model.parameters()).detach() - first["params"]
@@ -199,24 +393,61 @@ def replay_in_one_process(steps, train) -> tuple[float, int] | str:
     return worst
 
 
+def split_like(flat: torch.Tensor, model) -> list[torch.Tensor]:
+    pieces, offset = [], 0
+    for parameter in model.parameters():
+        pieces.append(flat[offset : offset + parameter.numel()].view_as(parameter).clone())
+        offset += parameter.numel()
+    return pieces
+
+
 # --- check 5: the checkpoint ----------------------------------------------------------------------------
-def check_checkpoint(obs) -> tuple[Verdict, dict | None]:
-    """Who wrote into the output folder, and lab 4's verdict on the file; plus the weights it holds."""
-    out_dir = obs.out_dir.resolve()
-    writers = {
-        rank: [event["path"] for event in obs.events.get(rank, []) if event["kind"] == "save" and event["path"] and Path(event["path"]).parent == out_dir]
-        for rank in range(WORLD_SIZE)
-    }  # fmt: skip
-    saved_verdict, weights = lab4.check_saved_model(obs)
-    extra = [rank for rank, paths in writers.items() if rank != 0 and paths]
-    if extra:
-        names = ", ".join(sorted({Path(path).name for rank in extra for path in writers[rank]}))
-        who = [str(rank) for rank, paths in writers.items() if paths]
-        ranks = f"ranks {', '.join(who[:-1])} and {who[-1]}" if len(who) > 1 else f"rank {who[0]}"
-        return Verdict(5, "FAIL", f"{ranks} each called torch.save on {names}: one file, {len(who)} writers"), weights
-    if saved_verdict.status == "PASS" and writers[0]:
-        return Verdict(5, "PASS", f"rank 0 alone wrote it; {saved_verdict.evidence}"), weights
-    return renumbered(5, saved_verdict), weights
+def load_checkpoint(path: Path):
+    """(the model's state dict from the file at path, or None; why it is unusable, or None)."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # not a torch file, or not safe to load
+        return None, f"it does not load with torch.load(weights_only=True) ({type(error).__name__})"
+    state = saved.get("model") if isinstance(saved, dict) and isinstance(saved.get("model"), dict) else saved
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        return None, "it holds no state_dict (a dict of tensors), neither as itself nor under the key 'model'"
+    return state, None
+
+
+def check_checkpoint(obs, steps) -> tuple[Verdict, dict | None]:
+    """Who wrote --save, and whether a bare DigitsNet loads it; plus the weights it holds (keys without 'module.')."""
+    path = (obs.out_dir / "model.pt").resolve()
+    writers = [rank for rank in range(WORLD_SIZE) if any(e["kind"] == "save" and e["path"] == str(path) for e in obs.events.get(rank, []))]
+    if not path.exists():
+        if obs.finished:
+            return Verdict(5, "FAIL", "the job finished but wrote no file at --save"), None
+        return Verdict(5, "BLOCKED", f"no file at --save: the job {obs.ended()} before writing it"), None
+    state, problem = load_checkpoint(path)
+    if problem:
+        return Verdict(5, "FAIL", problem), None
+    weights = {name.removeprefix("module."): tensor for name, tensor in state.items()}
+    model = reference_model()
+    try:
+        model.load_state_dict(state)
+    except RuntimeError:
+        wrapped = [name for name in state if name.startswith("module.")]
+        if wrapped:
+            evidence = f"its keys start with 'module.' ('{wrapped[0]}'), so it does not load into a bare DigitsNet, which expects '{wrapped[0].removeprefix('module.')}'"
+        else:
+            expected = set(model.state_dict())
+            evidence = f"it does not load into a bare DigitsNet (unexpected keys {sorted(set(state) - expected)[:2]}, missing {sorted(expected - set(state))[:2]})"
+        try:
+            reference_model().load_state_dict(weights)
+        except RuntimeError:
+            weights = None
+        return Verdict(5, "FAIL", evidence), weights
+    if len(writers) > 1:
+        return Verdict(5, "FAIL", f"ranks {' and '.join(map(str, writers))} each called torch.save on {path.name}: one file, {len(writers)} writers"), weights
+    if steps and torch.equal(parameters_to_vector(model.parameters()), steps[0][0]["params"]):
+        return Verdict(5, "FAIL", "it holds the initial weights: training never reached the saved file"), weights
+    who = "rank 0 alone wrote it" if writers == [0] else f"rank {writers[0]} wrote it" if writers else "no rank called torch.save on it"
+    status = "PASS" if writers == [0] else "FAIL"
+    return Verdict(5, status, f"{who}; its 'model' loads into a bare DigitsNet (strict) and holds trained weights"), weights
 
 
 # --- check 6: the printed accuracy ----------------------------------------------------------------------
@@ -231,15 +462,36 @@ def printed_accuracy(stdout: str) -> float | None:
     return value
 
 
-def check_job_metrics(obs, weights, held_out, ended_equal: bool | None) -> Verdict:
+@torch.no_grad()
+def count_correct(weights: dict, images: torch.Tensor, labels: torch.Tensor) -> int:
+    model = reference_model()
+    model.load_state_dict(weights)
+    return int((model.eval()(images).argmax(dim=1) == labels).sum())
+
+
+def check_job_metrics(obs, weights, held_out, blocked_by: str | None) -> Verdict:
     reported = printed_accuracy(obs.run.stdout)
     if reported is None:
         if obs.finished:
             return Verdict(6, "FAIL", "the job printed no line with the word accuracy and a number (as in: held-out accuracy 0.9721)")
         return Verdict(6, "BLOCKED", f"no accuracy was printed: the job {obs.ended()} before")
-    if ended_equal is False:
-        return Verdict(6, "BLOCKED", "the ranks ended with different weights (check 3): no one model's accuracy is the job's")
-    return renumbered(6, lab4.accuracy_verdict(6, reported, obs, weights, held_out, name="accuracy"))
+    if blocked_by:
+        return Verdict(6, "BLOCKED", blocked_by)
+    if weights is None:
+        return Verdict(6, "BLOCKED", "no usable weights at --save to recompute the accuracy from")
+    images, labels = held_out.tensors
+    correct, total = count_correct(weights, images, labels), len(labels)
+    if abs(reported - correct / total) < 0.5 / total:
+        return Verdict(6, "PASS", f"the last printed accuracy {reported:.4f} is the saved model's on all {total} held-out images ({correct}/{total})")
+    whole = f"on all {total} held-out images it scores {correct / total:.4f} ({correct}/{total})"
+    for rank in range(WORLD_SIZE):
+        seen = sorted(set(obs.batches(rank, "held_out", obs.passes(rank, "held_out") - 1)))
+        if seen and len(seen) < total:
+            shard = torch.tensor(seen)
+            shard_correct = count_correct(weights, images[shard], labels[shard])
+            if abs(reported - shard_correct / len(seen)) < 0.5 / len(seen):
+                return Verdict(6, "FAIL", f"the last printed accuracy {reported:.4f} is the saved model's score on the {len(seen)} held-out images rank {rank} evaluated ({shard_correct}/{len(seen)}); {whole}")
+    return Verdict(6, "FAIL", f"the last printed accuracy is {reported:.4f}, but {whole}")
 
 
 # --- check 7: a clean exit ------------------------------------------------------------------------------
@@ -247,51 +499,246 @@ def check_clean_exit(obs) -> Verdict:
     collectives = lab4.check_collectives(obs)
     if collectives.status == "FAIL":
         # Lab 4's scripts take --timeout-s; a script here sets its process group's timeout itself.
-        evidence = collectives.evidence.replace("until --timeout-s", "until their process group's timeout")
-        return Verdict(7, "FAIL", evidence)
+        return Verdict(7, "FAIL", collectives.evidence.replace("until --timeout-s", "until their process group's timeout"))
     if not obs.finished:
         evidence = f"the job {obs.ended()}"
         if obs.run.aborted_at_exit:
-            evidence += ": a rank aborted at exit (terminate called without an active exception), the sign of a DDP model still alive when the process group was destroyed"
+            evidence += (
+                ": a rank aborted at exit (terminate called without an active exception), the sign of a DDP model still alive "
+                "when the process group was destroyed (the observer imported torch.distributed.nn.functional before your script, "
+                "which rules out the other cause here)"
+            )  # fmt: skip
         return Verdict(7, "FAIL", evidence)
     return Verdict(7, "PASS", f"{collectives.evidence} with exit status 0")
 
 
-def check(script: Path, out_dir: Path):
-    """Run script under observation and decide the seven checks, in order."""
-    obs = observe(script, out_dir)
-    return obs, judge(obs)
-
-
-def judge(obs) -> list[Verdict]:
-    """The seven verdicts on one observed run, in order."""
-    splits = lab4.digits()  # loaded once per process
-    steps = recorded_steps(obs)
-    replicas, ended_equal = check_equal_replicas(obs, steps)
-    started_equal = bool(steps) and all(
-        lab4.relative(steps[0][0]["params"], steps[0][rank]["params"]) <= REPLICA_TOLERANCE for rank in range(WORLD_SIZE)
+# --- check 8: clipping ----------------------------------------------------------------------------------
+def check_clipping(obs, steps, reference, gradient_ok: bool) -> Verdict:
+    if not steps:
+        return Verdict(8, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
+    clipped, first = 0, None
+    for number, records in enumerate(steps, start=1):
+        norms = []
+        for rank, record in records.items():
+            clips, backwards = record["clips"], len(record["micro_batches"])
+            if not clips:
+                return Verdict(8, "FAIL", f"rank {rank} made no clip_grad_norm_ call in step {number} (clip with torch.nn.utils.clip_grad_norm_, as labs/train_realistic.py does)")
+            if len(clips) > 1 or clips[0]["after_backwards"] != backwards:
+                return Verdict(8, "FAIL", f"rank {rank} called clip_grad_norm_ {len(clips)} times in step {number}, the first after backward {clips[0]['after_backwards']} of {backwards}: it clipped a gradient not yet averaged over ranks, with its own norm")
+            clip = clips[0]
+            if abs(clip["max_norm"] - CLIP_NORM) > 1e-12:
+                return Verdict(8, "FAIL", f"rank {rank} clipped to {clip['max_norm']:g}, not to --clip-norm {CLIP_NORM:g}")
+            synced = record["micro_batches"][-1]["grad_after"] if record["micro_batches"] else None
+            if clip["before"] is not None and synced is not None and lab4.relative(clip["before"], synced) > TOLERANCE:
+                return Verdict(8, "FAIL", f"rank {rank}'s clip_grad_norm_ in step {number} was given other gradients than the step's last backward left (relative difference {lab4.relative(clip['before'], synced):.2f})")
+            coefficient = min(1.0, clip["max_norm"] / (clip["norm"] + 1e-6))
+            if clip["before"] is not None and (lab4.relative(clip["after"], clip["before"] * coefficient) > TOLERANCE or lab4.relative(record["grads"], clip["after"]) > TOLERANCE):
+                return Verdict(8, "FAIL", f"rank {rank}'s gradients in step {number} are not the clipped ones at the optimizer step")
+            norms.append(clip["norm"])
+        if abs(norms[0] - norms[1]) > TOLERANCE * max(norms):
+            return Verdict(8, "FAIL", f"in step {number} rank 0 clipped with norm {norms[0]:.4f} and rank 1 with {norms[1]:.4f}: each clipped its own gradient")
+        clipped += norms[0] > CLIP_NORM
+        first = first if first is not None else norms[0]
+    evidence = (
+        f"each of the {len(steps)} optimizer steps clipped once, after its all-reducing backward, with the same norm on both ranks "
+        f"({clipped} of {len(steps)} above --clip-norm {CLIP_NORM:g}; step 1: {first:.4f}"
     )  # fmt: skip
-    checkpoint, weights = check_checkpoint(obs)
-    verdicts = [
-        renumbered(1, lab4.check_data_split(obs, len(splits.train))),
-        renumbered(2, lab4.check_epoch_shuffle(obs)),
+    if gradient_ok and reference.shapes_ok and not micro_batches_ok(steps[:1]):
+        evidence += f", one process's global gradient: {float(reference.step_gradient(0).norm()):.4f}"
+    return Verdict(8, "PASS", evidence + ")")
+
+
+# --- check 9: the learning-rate schedule ----------------------------------------------------------------
+def one_process_schedule(train_size: int, steps: int) -> list[float]:
+    """The starting script's learning rates for one process on the global batch (per step: world x batch x K samples)."""
+    steps_per_epoch = math.ceil(train_size / (WORLD_SIZE * BATCH_SIZE * ACCUMULATION))
+    total = EPOCHS * steps_per_epoch
+    return [START.lr_at(step, total, WARMUP_STEPS, PEAK_LR) for step in range(steps)]
+
+
+def check_lr_schedule(obs, steps, train_size: int) -> Verdict:
+    if not steps:
+        return Verdict(9, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
+    expected = one_process_schedule(train_size, len(steps))
+    for number, records in enumerate(steps, start=1):
+        for rank, record in records.items():
+            lr = record["optimizer"]["groups"][0]["settings"].get("lr")
+            if not isinstance(lr, float) or abs(lr - expected[number - 1]) > 1e-9 * PEAK_LR:
+                shown = ", ".join(f"{r[rank]['optimizer']['groups'][0]['settings'].get('lr', float('nan')):.2e}" for r in steps[:6])
+                wanted = ", ".join(f"{value:.2e}" for value in expected[:6])
+                return Verdict(9, "FAIL", f"rank {rank}'s learning rate at optimizer step {number} is {lr:.3e}, one process's is {expected[number - 1]:.3e} (steps 1-6: {shown}; one process: {wanted})")
+    return Verdict(9, "PASS", f"at each of the {len(steps)} optimizer steps both ranks' learning rate is one process's on the global batch (warm-up over {WARMUP_STEPS} steps to {PEAK_LR:g}, then a cosine)")
+
+
+# --- check 10: accumulation -----------------------------------------------------------------------------
+def check_accumulation(obs, steps) -> Verdict:
+    if not steps:
+        return Verdict(10, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
+    micro_batches = 0
+    for number, records in enumerate(steps, start=1):
+        for rank, record in records.items():
+            count, forwards = len(record["micro_batches"]), record["forwards"]
+            micro_batches += count if rank == 0 else 0
+            if count != ACCUMULATION and not (number % (len(steps) // EPOCHS) == 0 and 0 < count < ACCUMULATION):
+                return Verdict(10, "FAIL", f"optimizer step {number} ran {count} micro-batch(es) on rank {rank}, not --accumulation {ACCUMULATION}")
+            if forwards["synced"] + forwards["unsynced"] == 0:
+                return Verdict(10, "BLOCKED", "no forward of a DistributedDataParallel model was seen: no all-reduce to count")
+            if forwards["synced"] != 1:
+                return Verdict(10, "FAIL", f"in optimizer step {number} rank {rank} ran {forwards['synced']} backward passes that all-reduce (of {count} micro-batches): {forwards['synced']} all-reduces for one optimizer step")
+            if not record["micro_batches"][-1]["synced"]:
+                return Verdict(10, "FAIL", f"in optimizer step {number} the all-reducing backward on rank {rank} was not the last micro-batch's: the later ones' gradients stayed local")
+    return Verdict(10, "PASS", f"every optimizer step ran {ACCUMULATION} micro-batches on each rank and only the last one's backward all-reduced: {len(steps)} all-reduces for {len(steps)} optimizer steps ({micro_batches} micro-batches per rank)")
+
+
+# --- check 11: the printed loss -------------------------------------------------------------------------
+def check_printed_loss(obs, steps, reference) -> Verdict:
+    lines = {rank: [(int(m.group(1)), m.group(2)) for m in map(LOSS_LINE.search, stdout_of(obs, rank).splitlines()) if m] for rank in range(WORLD_SIZE)}
+    speakers = [rank for rank, found in lines.items() if found]
+    if not speakers:
+        if obs.finished:
+            return Verdict(11, "FAIL", "no rank printed a line with 'step N' and 'loss X' (as in: step 10: train loss 0.4321)")
+        return Verdict(11, "BLOCKED", f"no loss line was printed: the job {obs.ended()}")
+    if len(speakers) > 1:
+        return Verdict(11, "FAIL", f"ranks {' and '.join(map(str, speakers))} each printed {len(lines[speakers[1]])} loss lines: one line per job, from one rank")
+    if not reference.shapes_ok or micro_batches_ok(steps):
+        return Verdict(11, "BLOCKED", "the micro-batches cannot be recomputed (see check 4)")
+    speaker, previous = speakers[0], 0
+    for step, text in lines[speaker]:
+        if not 0 < step <= len(steps) or step <= previous:
+            return Verdict(11, "FAIL", f"rank {speaker} printed a loss for step {step}, which is not a step the job made after the previous line's")
+        losses = {rank: torch.cat([reference.losses(s, rank, j) for s in range(previous, step) for j in range(len(steps[s][rank]["micro_batches"]))])
+                  for rank in range(WORLD_SIZE)}  # fmt: skip
+        job = float(torch.cat(list(losses.values())).double().mean())
+        printed = float(text)
+        decimals = len(text.split(".")[1])
+        tolerance = 0.5 * 10**-decimals + 1e-5 * abs(job)  # half a unit of the last printed digit, plus float32 recomputation
+        if abs(printed - job) > tolerance:
+            own = float(losses[speaker].double().mean())
+            if abs(printed - own) <= tolerance:
+                return Verdict(11, "FAIL", f"the loss printed at step {step}, {text}, is rank {speaker}'s own samples' mean; over every rank's samples since the last line it is {job:.{decimals}f}")
+            return Verdict(11, "FAIL", f"the loss printed at step {step} is {text}; over every rank's samples since the last line it is {job:.{decimals}f}")
+        previous = step
+    return Verdict(11, "PASS", f"rank {speaker} alone printed the loss, {len(lines[speaker])} times, each the mean over every rank's samples since the line before (within half a unit of its last digit)")
+
+
+# --- check 12: resume -----------------------------------------------------------------------------------
+def check_resume(straight, resumed, replicas_ok: bool) -> Verdict:
+    if not straight.finished:
+        return Verdict(12, "BLOCKED", f"the first run {straight.ended()}, so no second run resumed from it")
+    if not first_checkpoint(straight.out_dir).exists():
+        return Verdict(12, "BLOCKED", "rank 0 of the first run wrote no checkpoint to resume from")
+    saved = str((straight.out_dir / "model.pt").resolve())
+    first_save = next((e for e in straight.events.get(0, []) if e["kind"] == "save" and e["path"] == saved), None)
+    if first_save is not None and first_save.get("epoch", 0) != RESUME_AFTER_EPOCH - 1:
+        return Verdict(12, "FAIL", f"rank 0 first wrote --save during epoch {first_save['epoch'] + 1}, not at the end of epoch {RESUME_AFTER_EPOCH}: a checkpoint every epoch is what a resume starts from")
+    if not replicas_ok:
+        return Verdict(12, "BLOCKED", "the first run's replicas differ (check 3): a resume from rank 0's file cannot follow them")
+    if not resumed.finished:
+        return Verdict(12, "FAIL", f"the run with --resume {resumed.ended()}")
+    target = str((resumed.out_dir / "model.pt").resolve())
+    for rank in range(WORLD_SIZE):
+        loads = [e for e in resumed.events.get(rank, []) if e["kind"] == "load" and e["path"] == target]
+        if not loads:
+            return Verdict(12, "FAIL", f"rank {rank} never loaded the checkpoint: only the ranks that load it go on from it (its optimizer and schedule state too)")
+        if loads[0]["map_location"] is None:
+            return Verdict(12, "FAIL", f"rank {rank} loaded the checkpoint without map_location: on GPUs every rank would put the tensors saved from cuda:0 on cuda:0 (the CPU cannot show it; the checker reads the argument)")
+    straight_state, problem = load_checkpoint(straight.out_dir / "model.pt")
+    resumed_state, problem_resumed = load_checkpoint(resumed.out_dir / "model.pt")
+    if problem or problem_resumed:
+        return Verdict(12, "BLOCKED", "a final checkpoint is unusable (check 5)")
+    difference = max(lab4.relative(straight_state[name].double(), resumed_state[name].double()) for name in straight_state if straight_state[name].is_floating_point())
+    if difference > REPLICA_TOLERANCE:
+        return Verdict(12, "FAIL", f"resumed after epoch {RESUME_AFTER_EPOCH}, the run ends on other weights than the run that went straight through (relative difference {difference:.1e})")
+    return Verdict(12, "PASS", f"every rank loaded rank 0's checkpoint of epoch {RESUME_AFTER_EPOCH} (with map_location), and the resumed run ended on the straight run's weights (relative difference {difference:.0e})")
+
+
+# --- check 13: BatchNorm's buffers ----------------------------------------------------------------------
+def check_batchnorm(obs) -> Verdict:
+    passes = {rank: [e for e in obs.events.get(rank, []) if e["kind"] == "buffers"] for rank in range(WORLD_SIZE)}
+    if not passes[0] or not passes[1]:
+        if not obs.finished:
+            return Verdict(13, "BLOCKED", f"no held-out pass of a DDP model was seen on every rank: the job {obs.ended()}")
+        return Verdict(13, "BLOCKED", "no held-out pass over a DistributedDataParallel model's buffers was seen")
+    for mine, theirs in zip(passes[0], passes[1]):
+        for name, values in mine["buffers"].items():
+            other = theirs["buffers"].get(name)
+            if other is None or lab4.relative(torch.tensor(values), torch.tensor(other)) > REPLICA_TOLERANCE:
+                off = 1.0 if other is None else lab4.relative(torch.tensor(values), torch.tensor(other))
+                return Verdict(13, "FAIL", f"in held-out pass {mine['epoch']} rank 1 scored with other BatchNorm statistics than rank 0, which are the ones rank 0 saves ({name}: relative difference {off:.1e}): the ranks scored different models")
+    names = [name for name in passes[0][0]["buffers"] if "running" in name]
+    return Verdict(13, "PASS", f"in each of the {len(passes[0])} held-out passes both ranks scored with rank 0's BatchNorm statistics ({len(names)} running buffers), the ones rank 0 saves")
+
+
+# --- all checks -----------------------------------------------------------------------------------------
+def check(script: Path, out_dir: Path):
+    """Run script under observation (two runs, one launch) and decide the checks, in order."""
+    straight, resumed = observe(script, out_dir)
+    return (straight, resumed), judge(straight, resumed)
+
+
+def judge(straight, resumed) -> list[Verdict]:
+    """The thirteen verdicts on one observed job (its straight and resumed runs), in order.
+
+    The recomputation runs on one thread, as each rank did: many small matrices gain nothing from
+    more, and on a loaded machine OpenMP's threads only wait for each other (5x slower here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return judge_runs(straight, resumed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def judge_runs(straight, resumed) -> list[Verdict]:
+    splits = lab4.digits()  # loaded once per process
+    steps = recorded_steps(straight)
+    reference = Reference(steps)
+    replicas = check_equal_replicas(straight, steps)
+    checkpoint, weights = check_checkpoint(straight, steps)
+    clipping_first = check_clipping(straight, steps, reference, gradient_ok=False)
+    schedule = check_lr_schedule(straight, steps, len(splits.train))
+    others = {3: replicas.status == "PASS", 8: clipping_first.status == "PASS", 9: schedule.status == "PASS"}
+    gradient = check_global_gradient(straight, steps, reference, others)
+    clipping = check_clipping(straight, steps, reference, gradient_ok=gradient.status == "PASS") if clipping_first.status == "PASS" else clipping_first
+    batchnorm = check_batchnorm(straight)
+    if replicas.status != "PASS" and steps:
+        metrics_blocked = "the ranks' weights differ (check 3): no one model's accuracy is the job's"
+    elif batchnorm.status == "FAIL":
+        metrics_blocked = "the ranks scored with different BatchNorm statistics (check 13): no one model's accuracy is the job's"
+    else:
+        metrics_blocked = None
+    return [
+        check_data_split(straight, len(splits.train)),
+        renumbered(2, lab4.check_epoch_shuffle(straight)),
         replicas,
-        check_global_gradient(obs, steps, splits.train, started_equal),
+        gradient,
         checkpoint,
-        check_job_metrics(obs, weights, splits.test, ended_equal),
-        check_clean_exit(obs),
+        check_job_metrics(straight, weights, splits.test, metrics_blocked),
+        check_clean_exit(straight),
+        clipping,
+        schedule,
+        check_accumulation(straight, steps),
+        check_printed_loss(straight, steps, reference),
+        check_resume(straight, resumed, replicas_ok=replicas.status != "FAIL"),
+        batchnorm,
     ]
-    return verdicts
+
+
+def summary(verdicts: list[Verdict]) -> tuple[str, int]:
+    """The result line, and the exit status: 0 only when every check passed."""
+    counts = {status: sum(v.status == status for v in verdicts) for status in ("PASS", "FAIL", "BLOCKED")}
+    line = f"result: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['BLOCKED']} blocked of {len(verdicts)} checks"
+    return line, 0 if counts["PASS"] == len(verdicts) else 1
 
 
 def main(argv=None) -> int:
     parser = CourseArgumentParser(
         prog="lab3_convert_check.py",
-        description="Check your DDP version of labs/train_single.py by running it on 2 CPU ranks (see the docstring).",
+        description="Check your DDP version of labs/train_realistic.py by running it on 2 CPU ranks (see the docstring).",
     )
     parser.add_argument(
         "script", nargs="?", default=DEFAULT_SCRIPT,
-        help=f"your DDP script (default {DEFAULT_SCRIPT}); it must accept --epochs, --seed, --batch-size (per process) and --save",
+        help=f"your DDP script (default {DEFAULT_SCRIPT}); it must keep labs/train_realistic.py's flags, with --batch-size per process",
     )  # fmt: skip
     parser.add_argument("--show-output", action="store_true", help="also print the script's stdout and stderr")
     args = parser.parse_args(argv)
@@ -299,21 +746,22 @@ def main(argv=None) -> int:
     if not script.is_absolute() and not script.exists():
         script = REPO_ROOT / script  # so that the default works from any folder
     if not script.is_file():
-        first = " (start with: cp labs/train_single.py labs/my_ddp.py, then make it a DDP script)" if args.script == DEFAULT_SCRIPT else ""
+        first = " (start with: cp labs/train_realistic.py labs/my_ddp.py, then make it a DDP script)" if args.script == DEFAULT_SCRIPT else ""
         parser.error(f"no such script: {args.script}{first}")
 
     shown = " ".join([*SCRIPT_ARGS, "--save", "<temporary folder>/model.pt"])
-    print(f"lab 3 conversion checker: {args.script} under torchrun, {WORLD_SIZE} gloo ranks on the CPU: {shown}", flush=True)
+    print(f"lab 3 conversion checker: {args.script} on {WORLD_SIZE} gloo ranks (two one-process nodes), {shown}; then again with --resume", flush=True)
     with tempfile.TemporaryDirectory(prefix="lab3_check_") as out_dir:
-        obs, verdicts = check(script.resolve(), Path(out_dir))
-    if args.show_output:
-        print(f"--- the script's stdout\n{obs.run.stdout}--- its stderr\n{obs.run.stderr}--- end of the script's output")
-    print(f"the job {obs.ended()}")
+        (straight, resumed), verdicts = check(script.resolve(), Path(out_dir))
+        if args.show_output:
+            for name, obs in (("first run", straight), ("resumed run", resumed)):
+                print(f"--- the script's stdout, {name}\n{obs.run.stdout}--- its stderr\n{obs.run.stderr}--- end of the script's output")
+    print(f"the first run {straight.ended()}; the resumed run {resumed.ended()}")
     for verdict in verdicts:
         print(verdict.line())
-    counts = {status: sum(v.status == status for v in verdicts) for status in ("PASS", "FAIL", "BLOCKED")}
-    print(f"result: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['BLOCKED']} blocked of {len(verdicts)} checks")
-    return 0 if counts["PASS"] == len(verdicts) else 1
+    result, status = summary(verdicts)
+    print(result)
+    return status
 
 
 if __name__ == "__main__":

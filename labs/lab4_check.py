@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import sys
 import tempfile
@@ -36,8 +37,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ddp_course.cli import CourseArgumentParser, positive_float
 from ddp_course.data import DatasetSplits, load_digits
-from ddp_course.launch import REPO_ROOT, RunResult, run_torchrun
+from ddp_course.launch import LAUNCH_LOG_VARIABLE, REPO_ROOT, RunResult, append_to_launch_log, run_torchrun
 from ddp_course.models import DigitsCNN
+from ddp_course.multinode import agent_command, free_port, run_agents
 
 OBSERVER = Path(__file__).resolve().parent / "lab4_observe.py"
 DEFAULT_SCRIPT = "labs/lab4_broken_ddp.py"
@@ -149,9 +151,37 @@ def default_script_args(out_dir: Path) -> list:
     return [*SCRIPT_ARGS, "--save", out_dir / "model.pt", "--metrics-json", out_dir / "metrics.json"]
 
 
-def observe(script: Path, out_dir: Path, rescue: bool = True, script_args=None, env=None, timeout_s=None) -> Observation:
-    """Run script on WORLD_SIZE observed ranks. By default with lab 4's flags; another checker passes
-    its own script_args (the whole list), extra environment variables and time limit."""
+def run_job(script: Path, args, nodes: int, timeout_s: float, env: dict) -> RunResult:
+    """script under torchrun on WORLD_SIZE ranks: one node (--standalone), or `nodes` nodes on this host.
+
+    Several nodes are several torchrun agents (--nnodes=nodes, WORLD_SIZE // nodes processes each)
+    that meet at a c10d rendezvous on 127.0.0.1 at a free port, as the machines of a multi-node job
+    do (ddp_course/multinode.py). On two one-process nodes LOCAL_RANK is 0 on both ranks while RANK is
+    0 and 1: a script that uses LOCAL_RANK where it means RANK shows it. One RunResult for the job:
+    the agents' outputs one after the other, the first non-zero exit status, timed out if any agent was.
+    """
+    if nodes == 1:
+        return run_torchrun(script, args, nproc=WORLD_SIZE, timeout_s=timeout_s, env=env)
+    port = free_port()
+    command = agent_command(script, args, nnodes=str(nodes), nproc=WORLD_SIZE // nodes, endpoint=f"127.0.0.1:{port}", rdzv_id=f"observed{port}")
+    # The first agent hosts the rendezvous store; the other starts once it listens.
+    agents = run_agents([command] * nodes, timeout_s, env=env, stagger_host=("127.0.0.1", port))
+    timed_out = any(agent.timed_out for agent in agents)
+    status = None if timed_out else next((agent.returncode for agent in agents if agent.returncode), 0)
+    run = RunResult(
+        command=[*agents[0].command, f"(and {nodes - 1} more agent{'s' if nodes > 2 else ''} with the same command)"], returncode=status,
+        stdout="".join(agent.stdout for agent in agents), stderr="".join(agent.stderr for agent in agents),
+        wall_s=max(agent.wall_s for agent in agents), timed_out=timed_out,
+    )  # fmt: skip
+    if os.environ.get(LAUNCH_LOG_VARIABLE):  # counted like any launch (ddp_course/launch.py)
+        append_to_launch_log(os.environ[LAUNCH_LOG_VARIABLE], run)
+    return run
+
+
+def observe(script: Path, out_dir: Path, rescue: bool = True, script_args=None, env=None, timeout_s=None, nodes: int = 1) -> Observation:
+    """Run script on WORLD_SIZE observed ranks. By default with lab 4's flags, on one node; another
+    checker passes its own script_args (the whole list), extra environment variables, time limit and
+    number of nodes (see run_job)."""
     if script_args is None:
         script_args = default_script_args(out_dir)
     env = {
@@ -160,9 +190,54 @@ def observe(script: Path, out_dir: Path, rescue: bool = True, script_args=None, 
         **(env or {}),
     }  # fmt: skip
     limit_s = JOB_TIMEOUT_S if timeout_s is None else timeout_s
-    run = run_torchrun(OBSERVER, [out_dir, script, *script_args], nproc=WORLD_SIZE, timeout_s=limit_s, env=env)
+    run = run_job(OBSERVER, [out_dir, script, *script_args], nodes, limit_s, env)
     observation = Observation(run, out_dir, timeout_s=limit_s)
     for rank in range(WORLD_SIZE):
+        path = out_dir / f"events-r{rank}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        observation.events[rank] = [event for event in map(parse_event, lines) if event is not None]
+    return observation
+
+
+def observe_runs(runs: list[dict], folder: Path, timeout_s: float, nodes: int = 1, env=None) -> dict:
+    """{name: Observation} of several runs observed one after another in ONE launch (the observer's --runs).
+
+    runs: [{"name", "out_dir", "script", "args", "env" (the run's own LAB4_OBSERVE_* settings),
+    "copy" (optional [[source, target]], done before the run)}]; each Observation is what observe()
+    would have given for that run alone: its own output and exit status, read from its out_dir.
+    """
+    runs_file = folder / "runs.json"
+    runs_file.write_text(json.dumps([{**run, "out_dir": str(run["out_dir"]), "script": str(run["script"]), "args": [str(a) for a in run["args"]]}
+                                     for run in runs], indent=1))  # fmt: skip
+    env = {"CUDA_VISIBLE_DEVICES": "", "LAB4_OBSERVE_RESCUE": "1", "LAB4_OBSERVE_DIGITS": str(save_digits(folder / "digits.pt")), **(env or {})}
+    launch = run_job(OBSERVER, ["--runs", runs_file], nodes, timeout_s, env)
+    return {run["name"]: run_observation(launch, Path(run["out_dir"]), timeout_s) for run in runs}
+
+
+def run_observation(launch: RunResult, out_dir: Path, timeout_s: float) -> Observation:
+    """One run's Observation from a --runs launch: its own output and exit status, as if it had had a launch of its own."""
+    ranks = range(WORLD_SIZE)
+    statuses = [json.loads(path.read_text()) if (path := out_dir / f"status-r{rank}.json").exists() else None for rank in ranks]
+    reached = all(statuses)
+    skipped = next((s["skipped"] for s in statuses if s and s.get("skipped")), None)
+    status = next((s["status"] for s in statuses if s and s["status"]), 0) if reached else launch.returncode
+
+    def read(stream):  # every rank's, as torchrun would have collected them
+        return "".join(path.read_text() for rank in ranks if (path := out_dir / f"{stream}-r{rank}.txt").exists())
+
+    if skipped:
+        why = f"RuntimeError: this run was skipped: {skipped}\n"
+    elif not reached:
+        why = f"RuntimeError: this run did not finish (an earlier run failed?)\n{launch.stderr}"
+    else:
+        why = ""
+    run = RunResult(
+        command=[*launch.command, f"(run {out_dir.name})"], returncode=1 if skipped else status, stdout=read("stdout"),
+        stderr=read("stderr") + why, wall_s=max(s["wall_s"] for s in statuses) if reached else launch.wall_s,
+        timed_out=launch.timed_out and not reached,
+    )  # fmt: skip
+    observation = Observation(run, out_dir, timeout_s=timeout_s)
+    for rank in ranks:
         path = out_dir / f"events-r{rank}.jsonl"
         lines = path.read_text().splitlines() if path.exists() else []
         observation.events[rank] = [event for event in map(parse_event, lines) if event is not None]
@@ -242,6 +317,12 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / a.norm().clamp_min(1e-30))
 
 
+def best_multiple(observed: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(c, relative residual) of the least-squares fit observed ~ c x reference."""
+    c = float(observed @ reference / (reference @ reference))
+    return c, relative(observed, c * reference)
+
+
 def gradient_steps(obs: Observation, train, count: int = 3, own_params: bool = False) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
     """[(observed, reference) per recorded step, at most count], or a reason why none could be compared."""
     images, labels = train.tensors
@@ -266,9 +347,9 @@ def check_gradient_scale(steps, problem: str | None, obs: Observation) -> tuple[
     if not steps:
         return Verdict(7, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}"), None
     observed, reference = steps[0]
-    scale = float(observed @ reference / (reference @ reference))
+    scale, residual = best_multiple(observed, reference)
     global_batch = f"{WORLD_SIZE} ranks x {BATCH_SIZE} samples"
-    if relative(observed, scale * reference) > GRADIENT_TOLERANCE:
+    if residual > GRADIENT_TOLERANCE:
         off = relative(observed, reference)
         return Verdict(7, "FAIL", f"step 1's gradient is not the gradient of the mean loss over the global batch ({global_batch}): relative difference {off:.2f}"), None
     if abs(scale - 1) > GRADIENT_TOLERANCE:
@@ -277,6 +358,15 @@ def check_gradient_scale(steps, problem: str | None, obs: Observation) -> tuple[
 
 
 def check_fresh_gradients(steps, problem: str | None, scale: float | None, obs: Observation) -> Verdict:
+    """Does each step's .grad hold only its own batch's gradient? Judged at each step's own scale.
+
+    The scale of a gradient is check 7's business: a loss multiplied by the world size gives every
+    step twice its gradient, fresh all the same, and must fail check 7 alone. So a step passes here
+    when its gradient is SOME multiple of its own batch's reference gradient, and gradients that pile
+    up show as a step whose gradient minus the previous step's is such a multiple. scale is only
+    asked whether step 1's gradient is a multiple of its reference at all (None: it is not, and no
+    later step can be judged by this comparison).
+    """
     if problem:
         return Verdict(2, "BLOCKED", problem)
     if len(steps) < 2:
@@ -285,9 +375,9 @@ def check_fresh_gradients(steps, problem: str | None, scale: float | None, obs: 
         return Verdict(2, "BLOCKED", "step 1's gradient is not a multiple of the reference (check 7), so later steps cannot be compared")
     for step in range(1, len(steps)):
         (observed, reference), (previous, _) = steps[step], steps[step - 1]
-        if relative(observed, scale * reference) <= GRADIENT_TOLERANCE:
+        if best_multiple(observed, reference)[1] <= GRADIENT_TOLERANCE:
             continue
-        if relative(observed, scale * reference + previous) <= GRADIENT_TOLERANCE:
+        if best_multiple(observed - previous, reference)[1] <= GRADIENT_TOLERANCE:
             return Verdict(2, "FAIL", f"step {step + 1}'s gradient is step {step}'s gradient plus that of its own batch: gradients pile up from step to step")
         return Verdict(2, "FAIL", f"step {step + 1}'s gradient is neither its own batch's gradient nor that plus step {step}'s")
     return Verdict(2, "PASS", f"steps 2 to {len(steps)} each hold only the gradient of their own batch")

@@ -33,35 +33,58 @@ EPOCHS, BATCH, LR, SEED = 2, 64, 0.05, 0
 # 1e-4, ten times that spread and still 100 times below a real slip (one step with a gradient that is
 # not the global average, e.g. summed instead of averaged, moves the weights by more than 1e-2 relative).
 TOLERANCE = 1e-4
+# The printed loss has 4 decimals (+-5e-5) and the same float32 drift; a loss of rank 0's samples alone
+# differs from the job's by 5e-3 to 2e-2 in these runs (the test checks that it is more than 10x this).
+LOSS_TOLERANCE = 2e-4
 
 
-@functools.cache  # the 1-process control serves both world sizes; callers only read the tensors
-def one_process_on_the_global_batch(world_size: int) -> dict[str, torch.Tensor]:
-    """One model, one optimizer; each step's batch is the union of the ranks' batches of that step."""
+@functools.cache  # the 1-process control serves both world sizes; callers only read the results
+def one_process_on_the_global_batch(world_size: int) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+    """One model, one optimizer; each step's batch is the union of the ranks' batches of that step.
+
+    Returns the final weights, each epoch's mean train loss over every rank's samples (what the
+    job must print) and over rank 0's samples alone (what a script that forgets the all-reduce prints).
+    """
     torch.manual_seed(SEED)  # as the script: seed, then build the model (load_digits draws nothing)
     digits = load_digits()
     model = DigitsCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     samplers = [DistributedSampler(digits.train, world_size, rank, shuffle=True, seed=SEED) for rank in range(world_size)]
     images, labels = digits.train.tensors
+    job_losses, rank0_losses = [], []
     for epoch in range(EPOCHS):
         shards = []
         for sampler in samplers:
             sampler.set_epoch(epoch)
             shards.append(list(sampler))
+        job, rank0 = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)  # [sum of losses, samples]
         for step in range(math.ceil(len(shards[0]) / BATCH)):
             # Every rank's batch has the same size (the sampler pads), so the mean over the union is the
             # average of the ranks' means: exactly what DDP's averaged gradient computes.
             batch = [index for shard in shards for index in shard[step * BATCH : (step + 1) * BATCH]]
-            loss = F.cross_entropy(model(images[batch]), labels[batch])
+            per_sample = F.cross_entropy(model(images[batch]), labels[batch], reduction="none")
+            loss = per_sample.mean()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-    return model.state_dict()
+            first = len(shards[0][step * BATCH : (step + 1) * BATCH])  # rank 0's samples come first in the union
+            job += torch.tensor([float(per_sample.detach().sum()), len(batch)], dtype=torch.float64)
+            rank0 += torch.tensor([float(per_sample[:first].detach().sum()), first], dtype=torch.float64)
+        job_losses.append(float(job[0] / job[1]))
+        rank0_losses.append(float(rank0[0] / rank0[1]))
+    return model.state_dict(), job_losses, rank0_losses
 
 
-def test_the_script_fits_on_one_screen():
-    assert len(SCRIPT.read_text().splitlines()) <= 80
+def test_the_script_fits_on_one_screen_with_its_gloo_workaround_marked():
+    """At most 80 lines; the gloo exit workaround's lines (the early import, the gc.collect()) are in or
+    beside a block marked NOT PART OF DDP, so a reader tells DDP from a torch quirk; it scores model.module."""
+    lines = SCRIPT.read_text().splitlines()
+    assert len(lines) <= 80
+    markers = [number for number, line in enumerate(lines) if "NOT PART OF DDP" in line]
+    code = {number: line.split("#")[0] for number, line in enumerate(lines)}
+    workaround = [number for number, line in code.items() if "gc.collect()" in line or line.startswith("import torch.distributed.nn.functional")]
+    assert len(workaround) == 2 and all(any(0 <= number - marker <= 3 for marker in markers) for number in workaround), (markers, workaround)
+    assert "model.module.eval()" in SCRIPT.read_text()  # the bare model is scored (DDP's forward can broadcast buffers)
 
 
 WORLD_SIZES = [2, 3]
@@ -85,7 +108,7 @@ def jobs(tmp_path_factory):
 def test_saved_weights_equal_one_process_on_the_global_batch(jobs, world_size):
     future, saved = jobs[world_size]
     # Computed while the jobs run: this process is otherwise idle waiting for them.
-    reference = one_process_on_the_global_batch(world_size)
+    reference, job_losses, rank0_losses = one_process_on_the_global_batch(world_size)
     result = future.result()
     assert result.ok, result.describe()
     accuracy_lines = [line for line in result.stdout.splitlines() if "held-out accuracy" in line]
@@ -94,7 +117,12 @@ def test_saved_weights_equal_one_process_on_the_global_batch(jobs, world_size):
     DigitsCNN().load_state_dict(weights)
     assert max_relative_difference(weights, reference) < TOLERANCE
     # The control: the same comparison against one process on a single rank's batch fails by far.
-    assert max_relative_difference(weights, one_process_on_the_global_batch(1)) > 100 * TOLERANCE
+    assert max_relative_difference(weights, one_process_on_the_global_batch(1)[0]) > 100 * TOLERANCE
+    # The printed train loss is the job's (all-reduced over every rank's samples), to its 4 printed
+    # decimals plus rounding drift (LOSS_TOLERANCE); rank 0's own samples give a loss further off.
+    printed = [float(line.split("train loss ")[1].split(",")[0]) for line in accuracy_lines]
+    assert all(abs(p - job) < LOSS_TOLERANCE for p, job in zip(printed, job_losses, strict=True)), (printed, job_losses)
+    assert max(abs(job - rank0) for job, rank0 in zip(job_losses, rank0_losses)) > 10 * LOSS_TOLERANCE, (job_losses, rank0_losses)
 
 
 def test_without_torchrun_it_says_how_to_launch_it(monkeypatch, capsys):
