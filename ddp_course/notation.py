@@ -30,13 +30,14 @@ NOT_SYMBOLS = {
     "Rightarrow", "leftarrow", "rightarrow", "underbrace", "overbrace", "hat", "bar", "tilde", "top", "lVert", "rVert",
     "mid", "div", "pm", "infty", "cap", "cup", "neq", "ne", "equiv", "sin", "cos", "text", "mathrm", "textrm",
     "texttt", "operatorname", "mathbf", "boldsymbol", "big", "Big", "nabla", "partial", "langle", "rangle", "not",
-    "emptyset", "setminus", "subseteq", "mathcal", "displaystyle", "limits", "propto", "sim", "circ", "colon",
+    "emptyset", "setminus", "subseteq", "mathcal", "displaystyle", "limits", "propto", "sim", "circ", "colon", "mathbb",
+    "Sigma", "pi",  # a sum of durations, the number pi: operators and constants here
 }  # fmt: skip
 # Symbols whose subscripts are labels of one quantity, not new symbols: T_\text{comm} is a time, t_\text{data} too.
 LABELLED = {"T", "t", "E"}
 MATH = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$", flags=re.DOTALL)
 CODE = re.compile(r"```.*?```|`[^`\n]*`", flags=re.DOTALL)
-TEXT_COMMAND = re.compile(r"\\(?:text|mathrm|textrm|texttt|operatorname)\s*\{[^{}]*\}")
+TEXT_COMMAND = re.compile(r"\\(?:text|mathrm|textrm|texttt|operatorname|mathbb)\s*\{[^{}]*\}")
 TOKEN = re.compile(r"\\([A-Za-z]+)|([A-Za-z])")
 
 
