@@ -110,19 +110,29 @@ def notebook_symbols(path: Path) -> dict[str, list[int]]:
             continue
         for latex in math_spans("".join(cell["source"])):
             for symbol in symbols_in(latex):
-                used.setdefault(symbol, []).append(index)
+                cells_using = used.setdefault(symbol, [])
+                if index not in cells_using:
+                    cells_using.append(index)
     return used
 
 
-def readme_symbols(readme: str | None = None) -> set[str]:
-    """Every symbol the README's Notation section defines: the symbols in the first cell of each table row."""
+def readme_rows(readme: str | None = None) -> list[tuple[str, set[str]]]:
+    """[(row's first cell, the symbols it defines)] of the README's Notation tables. A symbol in an
+    argument list, as $N$ in $E(N)$, is not defined there: it has a row of its own."""
     readme = readme if readme is not None else (REPO_ROOT / "README.md").read_text()
     section = readme.split("### Notation", 1)[1].split("\n## ", 1)[0]
-    defined = set()
-    for row in re.findall(r"^\|(.+?)\|", section, flags=re.MULTILINE):
-        for latex in math_spans(row):
-            defined |= symbols_in(latex)
-    return defined
+    rows = []
+    for first_cell in re.findall(r"^\|(.+?)\|", section, flags=re.MULTILINE):
+        defined = set()
+        for latex in math_spans(first_cell):
+            defined |= symbols_in(re.sub(r"\([^()]*\)", "", latex))
+        rows.append((first_cell.strip(), defined))
+    return rows
+
+
+def readme_symbols(readme: str | None = None) -> set[str]:
+    """Every symbol the README's Notation section defines: the symbols of the first cell of each table row."""
+    return set().union(*(defined for _, defined in readme_rows(readme)))
 
 
 def notebooks() -> list[Path]:
