@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401,E402
 
 from ddp_course.cli import CourseError
+from ddp_course.faults import first_line
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -132,6 +133,25 @@ def agree_on_backend(store, rank: int, world_size: int, my_choice: str, timeout:
     return job_backend(choices), [r for r, choice in enumerate(choices) if choice != "nccl"]
 
 
+class GroupJoinError(CourseError):
+    """The process group could not be formed (init_process_group, or the multi-node backend agreement).
+
+    Unlike other CourseErrors the ranks do not share one verdict: in a multi-node job one rank dials an
+    address it cannot reach and the others time out waiting for it, so each rank's own line is what
+    ddp_course.multinode's diagnosis reads. Ranks other than 0 have written theirs when this is raised;
+    the lab's log_error() writes rank 0's.
+    """
+
+
+def join_failure(rank: int, backend: str, error: Exception) -> GroupJoinError:
+    """One line (the error's first) instead of a traceback; written at once on ranks other than 0."""
+    message = (f"rank {rank} could not join the {backend} process group: {type(error).__name__}: {first_line(str(error))} "
+               "(multi-node: python -m ddp_course.multinode OUTPUT_FILES names the cause from every node's output)")
+    if rank != 0:
+        _write_line(sys.stderr, f"{os.path.basename(sys.argv[0])}: error: {message}")
+    return GroupJoinError(message)
+
+
 def setup_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistContext:
     """Join the process group torchrun prepared (or form a one-process group) and pick the device.
 
@@ -150,6 +170,16 @@ def setup_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistCo
     timeout = timedelta(seconds=timeout_s)
 
     resolved = choose_backend(backend, local_world_size)
+    try:
+        resolved, device = _join_group(backend, resolved, rank, local_rank, world_size, local_world_size, timeout, launched_by_torchrun)
+    except RuntimeError as error:  # torch's DistError family, and gloo's connect failures, are RuntimeErrors
+        raise join_failure(rank, resolved, error) from None
+    return DistContext(rank, local_rank, world_size, resolved, device)
+
+
+def _join_group(backend, resolved, rank, local_rank, world_size, local_world_size, timeout, launched_by_torchrun):
+    """setup_distributed's network part: agree on the backend across nodes, pick the device, form the
+    group. Returns (the job's backend, this rank's device)."""
     store = None
     if launched_by_torchrun and backend == "auto" and world_size != local_world_size:
         # The same rendezvous init_process_group("env://") makes, done first so that we can use its store.
@@ -176,7 +206,7 @@ def setup_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistCo
     else:
         # An in-memory store: a group of one needs no network port.
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **options)
-    return DistContext(rank, local_rank, world_size, resolved, device)
+    return resolved, device
 
 
 def teardown_distributed() -> None:

@@ -43,9 +43,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 
 from ddp_course.checkpoint import atomic_write_json
-from ddp_course.cli import CourseArgumentParser, positive_float, positive_int
+from ddp_course.cli import CourseArgumentParser, CourseError, positive_float, positive_int
 from ddp_course.data import load_digits
-from ddp_course.distributed import BACKENDS, log, setup_distributed, teardown_distributed
+from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
 from ddp_course.faults import first_line
 from ddp_course.models import DigitsCNN
 from ddp_course.seeding import seed_everything
@@ -144,6 +144,9 @@ def main(args) -> int:
         if args.json and ctx.is_main:
             atomic_write_json(result, args.json)
         return 0
+    except CourseError as error:  # e.g. the process group could not be formed: one line, not a traceback
+        log_error(str(error))
+        return 1
     finally:
         teardown_distributed()
 

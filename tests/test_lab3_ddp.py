@@ -481,6 +481,26 @@ def test_bad_flags_are_refused_with_one_line(args, expected, refused_flag_line):
     assert re.search(expected, refused_flag_line(import_lab3(), args))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_that_cannot_join_the_group_says_so_in_one_line(rank, monkeypatch, capsys):
+    """The other rank of a 2-rank job never comes (rank 1: no store at the address; rank 0: no peer to
+    connect to): main() returns 1 after --timeout-s with one line naming the rank and torch's error,
+    where it used to raise (a traceback under torchrun). In a multi-node job each rank's line differs,
+    so every rank writes its own (the wrong-interface diagnosis reads the line of whichever rank saw it)."""
+    from ddp_course.multinode import free_port
+
+    environment = {"RANK": rank, "LOCAL_RANK": 0, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 1,
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}  # fmt: skip
+    for name, value in environment.items():
+        monkeypatch.setenv(name, str(value))
+    lab3 = import_lab3()
+    assert lab3.main(lab3.parse_args(["--backend", "gloo", "--timeout-s", "1"])) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"error: rank {rank} could not join the gloo process group: " in lines[0], lines
+    assert "timed out" in lines[0].lower() or "timeout" in lines[0].lower(), lines[0]
+
+
 # Its timeout covers the module's other jobs: run alone, this test's teardown waits for them.
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("args", "expected"), BAD_FLAGS_UNDER_TORCHRUN)
