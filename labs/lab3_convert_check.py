@@ -53,7 +53,8 @@ script's learning-rate schedule for that global batch. Thirteen checks, one line
 Each line says PASS, FAIL with the evidence and a hint naming the concept and where the course
 teaches it, or BLOCKED with the reason the check could not be decided: the job died before it could
 be seen, or another check's failure already explains what this one would see (e.g. replicas that
-started apart cannot agree on an accuracy). Exit status 0 only when all pass, 1 otherwise, 2 for a
+started apart cannot agree on an accuracy), or no rank trained a DDP model at all (a check that the
+unconverted script would pass by doing nothing does not PASS it). Exit status 0 only when all pass, 1 otherwise, 2 for a
 bad command line. A job that hangs is killed after JOB_TIMEOUT_S seconds.
 
 What it cannot see:
@@ -689,7 +690,26 @@ def judge(straight, resumed) -> list[Verdict]:
         torch.set_num_threads(threads)
 
 
+# A script that trains no DDP model passes some checks by doing nothing: with the same seed on every rank
+# its replicas agree, its clean exit makes no collective, it clips and reshuffles as the one-process
+# script did. Those PASSes would score the starting script, so without DDP they become BLOCKED.
+NOT_CONVERTED = ("no rank trained a DistributedDataParallel model: each rank ran the one-process script on its own, "
+                 "so passing this check proves nothing yet (convert the script; checks 1, 4 and 5 say where to start)")
+
+
+def trained_ddp(steps) -> bool:
+    """Whether any rank's recorded micro-batches went through a DDP model's forward (synchronised or not)."""
+    return any(record["forwards"]["synced"] + record["forwards"]["unsynced"] for records in steps for record in records.values())
+
+
 def judge_runs(straight, resumed) -> list[Verdict]:
+    verdicts, steps = judge_each_check(straight, resumed), recorded_steps(straight)
+    if steps and not trained_ddp(steps):
+        return [Verdict(v.number, "BLOCKED", NOT_CONVERTED) if v.status == "PASS" else v for v in verdicts]
+    return verdicts
+
+
+def judge_each_check(straight, resumed) -> list[Verdict]:
     splits = lab4.digits()  # loaded once per process
     steps = recorded_steps(straight)
     reference = Reference(steps)
