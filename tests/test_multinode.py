@@ -203,6 +203,8 @@ def test_the_sbatch_script_starts_one_torchrun_per_node():
     assert '--rdzv-endpoint="$rdzv_endpoint"' in srun
     assert 'rdzv_endpoint="${RDZV_ENDPOINT:-${head_node}:${rdzv_port}}"' in text
     assert "29400" not in text and "29500" not in text
+    # The port comes from the job's id below the ephemeral range, where srun's own listening sockets cannot take it.
+    assert "rdzv_port=$((10000 + SLURM_JOB_ID % 20000))" in text and "bind((" not in text
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
 
 
