@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import socket
 import sys
 from datetime import timedelta
 
 from ddp_course.launch import REPO_ROOT, import_script
+from ddp_course.multinode import free_port
 
 DEMOS = REPO_ROOT / "lectures" / "scripts" / "ddp_internals_demos.py"
 
@@ -318,12 +318,6 @@ EXERCISE_3_CASES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _problems(device, arguments, expected_device, expected_backend, env) -> list[str]:
     import torch
 
@@ -353,7 +347,7 @@ def _joins_a_real_group(init_arguments) -> bool:
     if dist.is_initialized():
         return True  # a group already exists in this process: nothing to try
     env = _torchrun_env(0, 0, 1, 1)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:

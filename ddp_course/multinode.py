@@ -19,6 +19,7 @@ failures of a running job. From a shell: python -m ddp_course.multinode lab3_123
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -32,11 +33,24 @@ from ddp_course.faults import Diagnosis, diagnose
 from ddp_course.launch import REPO_ROOT, RunResult, _descendant_pids, _kill_job, child_environment
 
 
+# Ports below the kernel's ephemeral range (32768-60999 by default: /proc/sys/net/ipv4/ip_local_port_range).
+# The kernel never hands these out by itself, so one that is free now stays free until it is bound by
+# number. A port from the ephemeral range, however free now, goes to the next socket that binds port 0
+# (gloo's listeners, srun's) as easily as to us: labs/slurm/lab3.sbatch says how that once failed a job.
+QUIET_PORTS = range(20000, 32768)
+_PICK = random.SystemRandom()  # not the seeded `random`: seeded processes would all pick the same ports
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on host right now (the OS picks it); bind to it soon, as it is not reserved."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
+    """A TCP port free on host now, from QUIET_PORTS; bind to it soon, as it is not reserved."""
+    for port in _PICK.sample(QUIET_PORTS, 64):
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:  # in use: try another
+                continue
+            return port
+    raise OSError(f"no free port among 64 tries in {QUIET_PORTS.start}-{QUIET_PORTS.stop - 1} on {host}")
 
 
 def port_is_open(host: str, port: int) -> bool:

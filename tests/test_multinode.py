@@ -17,6 +17,7 @@ import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,6 +247,9 @@ def test_diagnose_launch_names_the_root_cause_of_a_chain_of_failures(outputs, ki
     assert found.kind == kind and "\n" not in str(found) and "29400" not in found.summary
 
 
-def test_free_port_is_free_and_not_fixed():
+def test_free_port_is_free_not_fixed_and_below_the_ephemeral_range():
     ports = {free_port() for _ in range(3)}
-    assert all(1024 <= port <= 65535 and not port_is_open("127.0.0.1", port) for port in ports)
+    assert len(ports) > 1 and all(20000 <= port < 32768 and not port_is_open("127.0.0.1", port) for port in ports)
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")  # Linux: the range binding port 0 draws from
+    if ephemeral.exists():
+        assert max(ports) < int(ephemeral.read_text().split()[0])
