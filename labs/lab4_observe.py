@@ -93,6 +93,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, get_wor
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 import ddp_course.data
+from ddp_course.distributed import give_each_group_its_own_store_keys
 
 GRADIENT_STEPS = 3  # optimizer steps whose parameters and gradients are saved for the checker (LAB4_OBSERVE_STEPS)
 STALL_S = 5.0  # a peer silent this long (and not in this call) is taken to have skipped it
@@ -597,32 +598,6 @@ class CurrentRecorder:
             setattr(self.current, name, value)
 
 
-def give_each_run_its_own_store_keys() -> None:
-    """Let a process form the job's default group once per run (--runs).
-
-    Under torchrun every init_process_group("env://") talks to the same key-value store with the same
-    keys, so a second group would read the first one's (now closed) addresses and fail to connect.
-    Each run's group gets the store under a prefix of its own (torch's PrefixStore), as if it were a
-    new job; rank and world size still come from torchrun's environment."""
-    real_init = dist.init_process_group
-    run_number = [0]
-    job_store = []
-
-    @functools.wraps(real_init)
-    def init_process_group(*args, **kwargs):
-        if kwargs.get("store") is None and kwargs.get("init_method") in (None, "env://"):
-            if not job_store:  # torchrun's store for this job (env://: MASTER_ADDR and MASTER_PORT), connected once
-                job_store.append(next(dist.rendezvous("env://"))[0])
-            run_number[0] += 1
-            kwargs["store"] = dist.PrefixStore(f"run{run_number[0]}/", job_store[0])
-            kwargs.setdefault("rank", int(os.environ["RANK"]))
-            kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
-            kwargs.pop("init_method", None)
-        return real_init(*args, **kwargs)
-
-    dist.init_process_group = init_process_group
-
-
 def copy_before_run(run: dict, out_dir: Path, rank: int) -> str | None:
     """Rank 0 copies the run's files while the others wait for it; returns why the run cannot start, or None."""
     done, missing = out_dir / ".copied", [source for source, _ in run.get("copy", []) if not Path(source).is_file()]
@@ -687,7 +662,7 @@ def run_all(runs_file: str) -> int:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     proxy = CurrentRecorder()
     install(proxy)
-    give_each_run_its_own_store_keys()
+    give_each_group_its_own_store_keys("run")  # each run forms the job's group anew
     for run in json.loads(Path(runs_file).read_text()):
         status = run_one(proxy, run, rank, world_size)
         if status != 0:

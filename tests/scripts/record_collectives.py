@@ -28,7 +28,7 @@ not spend it waiting for a peer still busy with the previous row); calls are cou
 each row ends with its own line on the launch's stdout:
     [collectives rank R row NAME] status S calls N violations M ops ...
 The rows' scripts create and destroy their process group in main(); each row's group gets torchrun's
-store under a key prefix of its own (give_each_row_its_own_store_keys), since a second group on the
+store under a key prefix of its own (give_each_group_its_own_store_keys), since a second group on the
 same keys would read the first one's closed addresses. What a script may change for the rest of the process (environment variables, sys.path,
 the distributed debug level, the repository's own modules) is put back after each row. A row that
 fails (any exit status but its expected one, an exception included) ends the launch with its status,
@@ -54,6 +54,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ddp_course.distributed import give_each_group_its_own_store_keys, torchrun_store
 
 WRAPPED = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
@@ -207,36 +209,6 @@ def own_modules(repo_root: str) -> set[str]:
             if is_course_file(getattr(module, "__file__", None) or os.sep, repo_root)}  # fmt: skip
 
 
-@functools.cache
-def job_store():
-    """torchrun's key-value store for this job (env://: MASTER_ADDR and MASTER_PORT), connected once."""
-    store, _, _ = next(dist.rendezvous("env://"))
-    return store
-
-
-def give_each_row_its_own_store_keys() -> None:
-    """Let a process form the job's default group once per row.
-
-    Under torchrun every init_process_group("env://") talks to the same key-value store with the same
-    keys, so a second group would read the first one's (now closed) addresses and fail to connect.
-    Each row's group gets the store under a prefix of its own (torch's PrefixStore), as if it were a
-    new job; rank and world size still come from torchrun's environment."""
-    real_init = dist.init_process_group
-    row_number = [0]
-
-    @functools.wraps(real_init)
-    def init_process_group(*args, **kwargs):
-        if kwargs.get("store") is None and kwargs.get("init_method") in (None, "env://"):
-            row_number[0] += 1
-            kwargs["store"] = dist.PrefixStore(f"row{row_number[0]}/", job_store())
-            kwargs.setdefault("rank", int(os.environ["RANK"]))
-            kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
-            kwargs.pop("init_method", None)
-        return real_init(*args, **kwargs)
-
-    dist.init_process_group = init_process_group
-
-
 def passed_marker(markers_dir: str, row: str, rank: int | str) -> str:
     return os.path.join(markers_dir, f"passed-{row}-r{rank}")
 
@@ -256,9 +228,9 @@ def start_together(row_index: int) -> None:
     The keys name the launch attempt: after a restart (--max-restarts) the ranks start over."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefix = f"rows/attempt{attempt}/start{row_index}/"
-    job_store().set(prefix + os.environ.get("RANK", "0"), "ready")
+    torchrun_store().set(prefix + os.environ.get("RANK", "0"), "ready")
     ranks = range(int(os.environ.get("WORLD_SIZE", "1")))
-    job_store().wait([f"{prefix}{rank}" for rank in ranks], timedelta(seconds=ROW_START_TIMEOUT_S))
+    torchrun_store().wait([f"{prefix}{rank}" for rank in ranks], timedelta(seconds=ROW_START_TIMEOUT_S))
 
 
 def run_rows(rows: list[dict], markers_dir: str) -> int:
@@ -296,7 +268,7 @@ def run_rows(rows: list[dict], markers_dir: str) -> int:
 if __name__ == "__main__":
     install()
     if sys.argv[1] == "--rows":
-        give_each_row_its_own_store_keys()
+        give_each_group_its_own_store_keys("row")
         with open(sys.argv[2]) as rows_file:
             status = run_rows(json.load(rows_file), markers_dir=os.path.dirname(os.path.abspath(sys.argv[2])))
         sys.stdout.flush()
