@@ -426,21 +426,8 @@ def check_checkpoint(obs, steps) -> tuple[Verdict, dict | None]:
     state, problem = load_checkpoint(path)
     if problem:
         return Verdict(5, "FAIL", problem), None
-    weights = {name.removeprefix("module."): tensor for name, tensor in state.items()}
-    model = reference_model()
-    try:
-        model.load_state_dict(state)
-    except RuntimeError:
-        wrapped = [name for name in state if name.startswith("module.")]
-        if wrapped:
-            evidence = f"its keys start with 'module.' ('{wrapped[0]}'), so it does not load into a bare DigitsNet, which expects '{wrapped[0].removeprefix('module.')}'"
-        else:
-            expected = set(model.state_dict())
-            evidence = f"it does not load into a bare DigitsNet (unexpected keys {sorted(set(state) - expected)[:2]}, missing {sorted(expected - set(state))[:2]})"
-        try:
-            reference_model().load_state_dict(weights)
-        except RuntimeError:
-            weights = None
+    model, weights, evidence = lab4.load_into_bare_model(state, reference_model)
+    if evidence:
         return Verdict(5, "FAIL", evidence), weights
     if len(writers) > 1:
         return Verdict(5, "FAIL", f"ranks {' and '.join(map(str, writers))} each called torch.save on {path.name}: one file, {len(writers)} writers"), weights

@@ -384,6 +384,31 @@ def check_fresh_gradients(steps, problem: str | None, scale: float | None, obs: 
 
 
 # --- checks 3 and 6: the saved model and the reported accuracy ---------------------------------------------
+def load_into_bare_model(state: dict, make_model) -> tuple:
+    """(make_model() with state loaded strictly, or None; the weights with any 'module.' prefix removed,
+    or None when even those do not fit; why state does not load as it is, or None when it does).
+    Lab 3's conversion checker asks the same of its model."""
+    weights = {name.removeprefix("module."): tensor for name, tensor in state.items()}
+    model = make_model()
+    try:
+        model.load_state_dict(state)
+    except RuntimeError:  # below: say why, and whether the weights fit once 'module.' is dropped
+        pass
+    else:
+        return model, weights, None
+    name, wrapped = type(model).__name__, [key for key in state if key.startswith("module.")]
+    if wrapped:
+        evidence = f"its keys start with 'module.' ('{wrapped[0]}'), so it does not load into a bare {name}, which expects '{wrapped[0].removeprefix('module.')}'"
+    else:
+        expected = set(model.state_dict())
+        evidence = f"it does not load into a bare {name} (unexpected keys {sorted(set(state) - expected)[:2]}, missing {sorted(expected - set(state))[:2]})"
+    try:
+        make_model().load_state_dict(weights)
+    except RuntimeError:
+        weights = None
+    return None, weights, evidence
+
+
 def check_saved_model(obs: Observation) -> tuple[Verdict, dict | None]:
     """Verdict on the --save file, and the weights it holds (keys without 'module.') when usable."""
     path = obs.out_dir / "model.pt"
@@ -397,21 +422,8 @@ def check_saved_model(obs: Observation) -> tuple[Verdict, dict | None]:
         return Verdict(3, "FAIL", f"the file at --save does not load with torch.load(weights_only=True) ({type(error).__name__})"), None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         return Verdict(3, "FAIL", "the file at --save is not a state_dict (a dict of tensors)"), None
-    weights = {name.removeprefix("module."): tensor for name, tensor in state.items()}
-    model = DigitsCNN()
-    try:
-        model.load_state_dict(state)
-    except RuntimeError:
-        wrapped = [name for name in state if name.startswith("module.")]
-        if wrapped:
-            evidence = f"its keys start with 'module.' ('{wrapped[0]}'), so it does not load into a bare DigitsCNN, which expects '{wrapped[0].removeprefix('module.')}'"
-        else:
-            expected = set(model.state_dict())
-            evidence = f"it does not load into a bare DigitsCNN (unexpected keys {sorted(set(state) - expected)[:2]}, missing {sorted(expected - set(state))[:2]})"
-        try:
-            model.load_state_dict(weights)
-        except RuntimeError:
-            weights = None
+    model, weights, evidence = load_into_bare_model(state, DigitsCNN)
+    if evidence:
         return Verdict(3, "FAIL", evidence), weights
     first_step = obs.step_record(0, 1)
     if first_step is not None and torch.equal(parameters_to_vector(model.parameters()), first_step["params"]):
