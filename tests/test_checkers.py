@@ -580,6 +580,11 @@ def test_each_row_runs_with_its_own_checkers_observer_settings(checker, convert_
         assert observation.run.ok, observation.run.describe()
         if name == "trained":  # the solution with its defaults, observed with lab 4's settings
             continue
+        if name == "unconverted-resumed":
+            # The unconverted script's ranks never wait for each other and each rewrites --save after its
+            # epoch: a rank that starts late can load the file a faster rank already wrote at the last
+            # epoch, and then has no step to run (seen once). That race is check 5's finding, not the observer's.
+            continue
         lab3 = str(name).removesuffix("-resumed") in [*MISTAKES, "lab3-solution", "unconverted"]
         for rank in range(checker.WORLD_SIZE):
             steps = sum(event["kind"] == "step" for event in observation.events[rank])
