@@ -1,12 +1,23 @@
-"""How long the course is to read: markdown words and cells per notebook, the core path and the whole route.
+"""How long the course takes: reading, running and the exercises, per notebook, for the core path and the route.
 
     python -m ddp_course.budget            # the table, then one line per budget: ok or OVER; exit 1 if any is over
+    python -m ddp_course.budget --readme   # the README's two rows (core path, whole route), to paste
 
 The route is the README's syllabus table (tests/test_route.py checks that every notebook agrees with
 it). Every `## ` section heading of a route notebook ends with a tag, `[core]` or `[deep dive]`
 (the README's "Core path" explains the convention): a learner with a week reads the core sections and
 comes back for the rest. The words before a notebook's first `## ` heading (its title, the Before
 line, the introduction) are core; a `### ` subsection belongs to its section.
+
+Time is counted the way a careful first-time reader spends it (the rates a learner measured on
+himself while working through the core path):
+
+- reading: 120 words a minute of prose with formulas beside it, 0.75 min to run each code cell and
+  glance at it, 1 min per 25 lines of code in view and 1 min per 30 lines of stored text output;
+- exercises: the time each exercise and hands-on step states in its notebook, written
+  `(about N min)` or `(about N h)` in its heading or instruction (every `Exercise` and `Check your
+  understanding` heading must state one), plus 1 min for each **Predict** prompt (stop, think, guess);
+- set-up: one hour, once (install, the quick start, starting JupyterLab).
 
 Words are counted in markdown cells only, as runs of letters and digits joined by hyphens or
 apostrophes (`all-reduce` and `don't` are one word each; `2.14` is two): code, outputs and LaTeX
@@ -18,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_course.launch import REPO_ROOT
@@ -26,30 +37,91 @@ from ddp_course.launch import REPO_ROOT
 WORD = re.compile(r"\w+(?:[-'’]\w+)*")
 SECTION_HEADING = re.compile(r"^## (?!#)(.*)$", flags=re.MULTILINE)
 TAGS = {"[core]": "core", "[deep dive]": "deep dive"}
-WORDS_PER_MINUTE = 150  # technical reading with code beside it; running cells is on top (see reading_hours)
-MINUTES_PER_CODE_CELL = 1.0  # read the cell, run it, look at its output
 
-# Budgets (issue 31): a course that fits a week of evenings.
+# Rates (minutes), from the learner review of 2026-11-28, section 2.1.
+WORDS_PER_MINUTE = 120
+MINUTES_PER_CODE_CELL = 0.75
+CODE_LINES_PER_MINUTE = 25
+OUTPUT_LINES_PER_MINUTE = 30
+MINUTES_PER_PREDICTION = 1.0
+SETUP_HOURS = 1.0
+
+STATED_TIME = re.compile(r"\(about (\d+(?:\.\d+)?) (min|h)\b[^)]*\)")  # "(about 2 h)", "(about 90 min, ...)"
+PREDICTION = re.compile(r"\*\*?Predict")
+# Headings of work a learner does, which must say how long it takes.
+EXERCISE_HEADING = re.compile(r"^#{2,4} .*(Exercise \d|Check your understanding|conversion exercise)", flags=re.MULTILINE)
+
+# Budgets. Words and cells: issue 31. Time: issue 38 (a week of evenings, exercises included).
 ROUTE_WORDS = 35_000
 CORE_WORDS = 20_000
 NOTEBOOK_WORDS = 3_500
 NOTEBOOK_CELLS = 70
+CORE_HOURS = 12.0
+CORE_READING_HOURS = 5.5
+CORE_EXERCISE_HOURS = 5.0
+# Issue 38's limits on what one core cell may put in front of a reader.
+CORE_CODE_CELL_LINES = 40
+CORE_OUTPUT_LINES = 60
+
+
+@dataclass
+class Tally:
+    """What one part (core or deep dive) of a notebook asks of a reader."""
+
+    words: int = 0
+    code_cells: int = 0
+    code_lines: int = 0
+    output_lines: int = 0
+    predictions: int = 0
+    stated_minutes: float = 0.0  # the exercises' and hands-on steps' own estimates
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(*(getattr(self, name) + getattr(other, name) for name in self.__dataclass_fields__))
+
+    @property
+    def reading_minutes(self) -> float:
+        return (
+            self.words / WORDS_PER_MINUTE
+            + self.code_cells * MINUTES_PER_CODE_CELL
+            + self.code_lines / CODE_LINES_PER_MINUTE
+            + self.output_lines / OUTPUT_LINES_PER_MINUTE
+        )
+
+    @property
+    def exercise_minutes(self) -> float:
+        return self.stated_minutes + self.predictions * MINUTES_PER_PREDICTION
 
 
 @dataclass
 class NotebookCount:
     step: str
     path: str
-    words: int
-    core_words: int
+    core: Tally
+    deep: Tally
     cells: int
-    code_cells: int
-    core_code_cells: int
-    untagged: list[str]  # `## ` headings without a tag
+    untagged: list[str] = field(default_factory=list)  # `## ` headings without a tag
+    unstated: list[str] = field(default_factory=list)  # exercise headings that state no time
+    walls: list[str] = field(default_factory=list)  # core cells over CORE_CODE_CELL_LINES / CORE_OUTPUT_LINES
+
+    @property
+    def words(self) -> int:
+        return self.core.words + self.deep.words
+
+    @property
+    def core_words(self) -> int:
+        return self.core.words
 
     @property
     def deep_words(self) -> int:
-        return self.words - self.core_words
+        return self.deep.words
+
+    @property
+    def code_cells(self) -> int:
+        return self.core.code_cells + self.deep.code_cells
+
+    @property
+    def core_code_cells(self) -> int:
+        return self.core.code_cells
 
 
 def route(readme: str | None = None) -> list[tuple[str, str]]:
@@ -67,69 +139,142 @@ def section_tag(heading: str) -> str | None:
     return None
 
 
+def stated_minutes(text: str) -> float:
+    """The minutes stated in `(about N min)` / `(about N h)` marks of a piece of markdown."""
+    return sum(float(number) * (60 if unit == "h" else 1) for number, unit in STATED_TIME.findall(text))
+
+
+def output_lines(cell: dict) -> int:
+    """Lines of text a code cell's stored outputs show (a figure counts as its text line only)."""
+    lines = 0
+    for output in cell.get("outputs", []):
+        text = output.get("text") or output.get("data", {}).get("text/plain") or output.get("traceback") or ""
+        lines += len("".join(text).splitlines())
+    return lines
+
+
 def count_notebook(step: str, path: str) -> NotebookCount:
     cells = json.loads((REPO_ROOT / path).read_text())["cells"]
-    words = core_words = code_cells = core_code_cells = 0
-    untagged = []
+    count = NotebookCount(step, path, Tally(), Tally(), len(cells))
     current = "core"  # the introduction before the first section
-    for cell in cells:
+
+    def part() -> Tally:
+        return count.core if current == "core" else count.deep
+
+    for index, cell in enumerate(cells):
         source = "".join(cell["source"])
         if cell["cell_type"] == "code":
-            code_cells += 1
-            core_code_cells += current == "core"
+            code, shown = len(source.splitlines()), output_lines(cell)
+            part().code_cells += 1
+            part().code_lines += code
+            part().output_lines += shown
+            if current == "core" and (code > CORE_CODE_CELL_LINES or shown > CORE_OUTPUT_LINES):
+                count.walls.append(f"cell {index}: {code} lines of code, {shown} lines of output")
             continue
         if cell["cell_type"] != "markdown":
             continue
+        count.unstated += _unstated_headings(source)
         # A cell may hold a section's last paragraph and the next heading: split it at each heading.
         pieces = SECTION_HEADING.split(source)  # [text, heading, text, heading, text, ...]
-        for index, piece in enumerate(pieces):
-            if index % 2 == 1:  # a heading: its words belong to the section it opens (the tag not counted)
+        for position, piece in enumerate(pieces):
+            if position % 2 == 1:  # a heading: its words belong to the section it opens (the tag not counted)
                 tag = section_tag(piece)
                 if tag is None:
-                    untagged.append(piece.strip())
+                    count.untagged.append(piece.strip())
                 current = tag or "core"
                 piece = piece.rstrip().removesuffix("[core]").removesuffix("[deep dive]")
-            counted = len(WORD.findall(piece))
-            words += counted
-            core_words += counted if current == "core" else 0
-    return NotebookCount(step, path, words, core_words, len(cells), code_cells, core_code_cells, untagged)
+            part().words += len(WORD.findall(piece))
+            part().predictions += len(PREDICTION.findall(piece))
+            part().stated_minutes += stated_minutes(piece)
+    return count
 
 
-def reading_hours(words: int, code_cells: int) -> float:
-    return (words / WORDS_PER_MINUTE + code_cells * MINUTES_PER_CODE_CELL) / 60
+def _unstated_headings(markdown: str) -> list[str]:
+    """Exercise headings in a markdown cell whose line states no time."""
+    return [
+        line.lstrip("#").strip()
+        for line in markdown.splitlines()
+        if EXERCISE_HEADING.match(line) and not STATED_TIME.search(line)
+    ]
+
+
+def total(counts: list[NotebookCount], part: str) -> Tally:
+    """The sum of one part ('core' or 'deep') over notebooks."""
+    return sum((getattr(count, part) for count in counts), Tally())
+
+
+def hours(counts: list[NotebookCount]) -> dict[str, dict[str, float]]:
+    """{'core path' | 'whole route': {'reading': h, 'exercises': h, 'set-up': h, 'total': h}}."""
+    core, deep = total(counts, "core"), total(counts, "deep")
+    result = {}
+    for name, tally in (("core path", core), ("whole route", core + deep)):
+        reading, exercises = tally.reading_minutes / 60, tally.exercise_minutes / 60
+        result[name] = {"reading": reading, "exercises": exercises, "set-up": SETUP_HOURS, "total": reading + exercises + SETUP_HOURS}
+    return result
+
+
+def readme_rows(counts: list[NotebookCount]) -> list[str]:
+    """The README's table rows for the core path and the whole route (tests/test_budget.py compares them)."""
+    rows = []
+    for name, part in hours(counts).items():
+        words = sum(c.core_words if name == "core path" else c.words for c in counts)
+        code = sum(c.core_code_cells if name == "core path" else c.code_cells for c in counts)
+        rows.append(f"| {name} | {words:,} | {code} | {part['reading']:.1f} h | {part['exercises']:.1f} h | {part['total']:.1f} h |")
+    return rows
 
 
 def budget_lines(counts: list[NotebookCount]) -> list[tuple[bool, str]]:
-    """(within budget, what) for every budget of issue 31."""
-    total = sum(count.words for count in counts)
+    """(within budget, what) for every budget the tests enforce: words, cells, tags and stated times."""
+    words = sum(count.words for count in counts)
     core = sum(count.core_words for count in counts)
-    lines = [(total <= ROUTE_WORDS, f"whole route: {total:,} words (budget {ROUTE_WORDS:,})"),
+    lines = [(words <= ROUTE_WORDS, f"whole route: {words:,} words (budget {ROUTE_WORDS:,})"),
              (core <= CORE_WORDS, f"core path: {core:,} words (budget {CORE_WORDS:,})")]  # fmt: skip
     for count in counts:
         lines.append((count.words <= NOTEBOOK_WORDS, f"{count.path}: {count.words:,} words (budget {NOTEBOOK_WORDS:,})"))
         lines.append((count.cells <= NOTEBOOK_CELLS, f"{count.path}: {count.cells} cells (budget {NOTEBOOK_CELLS})"))
         if count.untagged:
             lines.append((False, f"{count.path}: sections without [core] or [deep dive]: {count.untagged}"))
+        if count.unstated:
+            lines.append((False, f"{count.path}: exercises that state no time '(about N min)': {count.unstated}"))
+    return lines
+
+
+def target_lines(counts: list[NotebookCount]) -> list[tuple[bool, str]]:
+    """(met, what) for issue 38's time targets: reported by the command, not yet enforced by a test."""
+    core = hours(counts)["core path"]
+    lines = [
+        (core["total"] <= CORE_HOURS, f"core path with exercises: {core['total']:.1f} h (target {CORE_HOURS:g} h)"),
+        (core["reading"] <= CORE_READING_HOURS, f"core reading and running: {core['reading']:.1f} h (target {CORE_READING_HOURS:g} h)"),
+        (core["exercises"] <= CORE_EXERCISE_HOURS, f"core exercises: {core['exercises']:.1f} h (target {CORE_EXERCISE_HOURS:g} h)"),
+    ]
+    for count in counts:
+        lines += [(False, f"{count.path}: core {wall}") for wall in count.walls]
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     counts = [count_notebook(step, path) for step, path in route()]
-    print(f"{'step':<11} {'notebook':<48} {'words':>6} {'core':>6} {'deep':>6} {'cells':>5} {'code':>4}")
+    if "--readme" in (argv or []):
+        print("\n".join(readme_rows(counts)))
+        return 0
+    header = f"{'step':<11} {'notebook':<44} {'words':>6} {'core':>6} {'cells':>5} {'code':>4} {'read h':>6} {'ex. h':>5} {'core read':>9} {'core ex.':>8}"
+    print(header)
     for count in counts:
-        print(f"{count.step:<11} {count.path:<48} {count.words:>6,} {count.core_words:>6,} {count.deep_words:>6,} {count.cells:>5} {count.code_cells:>4}")
-    total = sum(count.words for count in counts)
-    core = sum(count.core_words for count in counts)
-    code = sum(count.code_cells for count in counts)
-    core_code = sum(count.core_code_cells for count in counts)
-    print(f"{'route':<11} {len(counts)} notebooks{'':<36} {total:>6,} {core:>6,} {total - core:>6,} {sum(c.cells for c in counts):>5} {code:>4}")
-    print(f"reading time at {WORDS_PER_MINUTE} words/min and {MINUTES_PER_CODE_CELL:g} min per code cell: "
-          f"core path about {reading_hours(core, core_code):.1f} h, whole route about {reading_hours(total, code):.1f} h")  # fmt: skip
+        both = count.core + count.deep
+        print(
+            f"{count.step:<11} {count.path:<44} {count.words:>6,} {count.core_words:>6,} {count.cells:>5} {count.code_cells:>4} "
+            f"{both.reading_minutes / 60:>6.1f} {both.exercise_minutes / 60:>5.1f} "
+            f"{count.core.reading_minutes / 60:>9.1f} {count.core.exercise_minutes / 60:>8.1f}"
+        )
+    for name, part in hours(counts).items():
+        print(f"{name}: reading and running {part['reading']:.1f} h + exercises {part['exercises']:.1f} h + set-up {part['set-up']:g} h = {part['total']:.1f} h")
     failed = False
     for ok, line in budget_lines(counts):
         if not ok or line.startswith(("whole", "core")):
             print(("ok   " if ok else "OVER ") + line)
         failed |= not ok
+    for ok, line in target_lines(counts):
+        print(("ok   " if ok else "over target: ") + line)
     return 1 if failed else 0
 
 

@@ -1,5 +1,5 @@
-"""A course that fits a week (issue 31): the reading budgets hold, every section is tagged core or deep
-dive, and the README's core-path table says what ddp_course.budget counts."""
+"""The course's size and time: the word and cell budgets hold, every section is tagged core or deep dive,
+every exercise states its time, and the README's core-path table says what ddp_course.budget counts."""
 
 import json
 import re
@@ -19,15 +19,43 @@ def test_every_budget_holds_and_every_section_is_tagged():
 
 def test_the_readmes_core_path_table_is_the_counters():
     readme = (REPO_ROOT / "README.md").read_text()
-    core = re.search(r"^\| core path \| ([\d,]+) \| (\d+) \| about (\d+) hours \|$", readme, flags=re.MULTILINE)
-    whole = re.search(r"^\| whole route \| ([\d,]+) \| (\d+) \| about (\d+) hours \|$", readme, flags=re.MULTILINE)
-    assert core and whole, "the README's table of the core path and the whole route"
-    core_words, core_code = sum(c.core_words for c in COUNTS), sum(c.core_code_cells for c in COUNTS)
-    words, code = sum(c.words for c in COUNTS), sum(c.code_cells for c in COUNTS)
-    assert (int(core[1].replace(",", "")), int(core[2])) == (core_words, core_code)
-    assert (int(whole[1].replace(",", "")), int(whole[2])) == (words, code)
-    assert int(core[3]) == round(budget.reading_hours(core_words, core_code))
-    assert int(whole[3]) == round(budget.reading_hours(words, code))
+    for row in budget.readme_rows(COUNTS):
+        assert row in readme.splitlines(), f"README's row should read {row!r} (python -m ddp_course.budget --readme)"
+
+
+def test_every_exercise_states_its_time_and_the_counter_adds_it(tmp_path, monkeypatch):
+    cells = [
+        {"cell_type": "markdown", "metadata": {}, "source": ["# Lab 0\n\n**Predict:** one minute.\n\n## 1. Run it [core]"]},
+        {"cell_type": "code", "metadata": {}, "source": ["a = 1\nb = 2"], "outputs": [{"output_type": "stream", "name": "stdout", "text": ["x\n", "y\n"]}], "execution_count": 1},
+        {"cell_type": "markdown", "metadata": {}, "source": ["### Exercise 1: decide (about 20 min)\n\n## 2. More [deep dive]\n\n### Exercise 2: no time"]},
+        {"cell_type": "markdown", "metadata": {}, "source": ["## 3. Check your understanding (about 1 h) [deep dive]"]},
+    ]  # fmt: skip
+    (tmp_path / "nb.ipynb").write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    monkeypatch.setattr(budget, "REPO_ROOT", tmp_path)
+    count = budget.count_notebook("lab 0", "nb.ipynb")
+    assert count.unstated == ["Exercise 2: no time"]
+    assert (False, "nb.ipynb: exercises that state no time '(about N min)': ['Exercise 2: no time']") in budget.budget_lines([count])
+    assert (count.core.stated_minutes, count.core.predictions, count.deep.stated_minutes) == (20, 1, 60)
+    assert count.core.exercise_minutes == 21
+    assert (count.core.code_lines, count.core.output_lines) == (2, 2)
+    # reading: 0.75 min for the cell, 2/25 for its code and 2/30 for its output, plus the words at 120 a minute
+    words = count.core.words
+    assert abs(count.core.reading_minutes - (words / 120 + 0.75 + 2 / 25 + 2 / 30)) < 1e-9
+
+
+def test_a_core_cell_that_prints_a_wall_is_reported(tmp_path, monkeypatch):
+    wall = {"output_type": "stream", "name": "stdout", "text": ["line\n"] * 61}
+    cells = [
+        {"cell_type": "markdown", "metadata": {}, "source": ["## 1. Core [core]"]},
+        {"cell_type": "code", "metadata": {}, "source": ["print()"], "outputs": [wall], "execution_count": 1},
+        {"cell_type": "code", "metadata": {}, "source": ["x = 1\n" * 41], "outputs": [], "execution_count": 2},
+        {"cell_type": "markdown", "metadata": {}, "source": ["## 2. Deep [deep dive]"]},
+        {"cell_type": "code", "metadata": {}, "source": ["print()"], "outputs": [wall], "execution_count": 3},
+    ]  # fmt: skip
+    (tmp_path / "nb.ipynb").write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    monkeypatch.setattr(budget, "REPO_ROOT", tmp_path)
+    count = budget.count_notebook("lab 0", "nb.ipynb")
+    assert count.walls == ["cell 1: 1 lines of code, 61 lines of output", "cell 2: 41 lines of code, 0 lines of output"]
 
 
 def test_the_counter_splits_core_from_deep_dive_and_finds_untagged_sections(tmp_path, monkeypatch):
