@@ -65,10 +65,10 @@ ITEM = rf"{NUMBER}(?:\s*[-–]\s*{NUMBER})?"  # "2.3" or a range "2-3"
 NUMBERS = rf"(?P<numbers>{ITEM}(?:(?:\s*,\s*§?\s*{ITEM})*\s*,?\s+and\s+§?\s*{ITEM})?)"
 LINK_END = r"(?:\]\([^)\s]*\))?"  # "[lecture 4](04_ddp_internals.ipynb), section 2.3"
 NAMED = (
-    rf"(?:\b(?P<kind>lecture|lab)\s+|\b(?P<short>L)(?=\d))(?P<id>\d+[ab]?)\b{LINK_END}(?:'s)?,?\s*"
+    rf"(?:\b(?P<kind>lecture|lab)\s+|\b(?-i:L)(?=\d))(?P<id>\d+[ab]?)\b{LINK_END}(?:'s)?,?\s*"  # L6: lecture 6
 )
 SECTION_REFERENCE = re.compile(rf"{NAMED}(?:§\s*|sections?\s+){NUMBERS}(?![\w.]*\d)", re.IGNORECASE)
-TITLE_REFERENCE = re.compile(rf"\b(?P<kind>lecture|lab)\s+(?P<id>\d+[ab]?){LINK_END},\s+\\?\"(?P<title>[^\"\\]+)\\?\"", re.IGNORECASE)
+TITLE_REFERENCE = re.compile(rf'\b(?P<kind>lecture|lab)\s+(?P<id>\d+[ab]?){LINK_END},\s+"(?P<title>[^"]+)"', re.IGNORECASE)
 OWN_SECTION_REFERENCE = re.compile(rf"\bsections?\s+{NUMBERS}(?![\w.]*\d)", re.IGNORECASE)
 # A paper's section, cited after its year: (Goyal et al. 2017, section 2.1); 2021, "Title", section 2.2.
 CITATION_BEFORE = re.compile(r"\b(?:19|20)\d\d[a-z]?\)?,\s*(?:\"[^\"]*\",\s*)?$")
