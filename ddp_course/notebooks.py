@@ -5,7 +5,8 @@
 nbval compares every cell's fresh output with the stored one, and skips cells that were never
 executed, so a notebook must be saved executed. This runs each notebook top to bottom in its own
 folder with this environment's Python (as `--nbval-current-env` does), drops the widget state
-from the saved file, and prints how long it took (lecture notebooks should stay under 30 s on a 2-core CPU).
+from the saved file, masks the absolute paths in its outputs (the folders of the machine that ran it),
+and prints how long it took (lecture notebooks should stay under 30 s on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -17,6 +18,42 @@ import re
 import sys
 import time
 from pathlib import Path
+
+
+# A stored output is read on the web by learners: an absolute path there shows them the folders of the
+# machine that stored it (/work/..., /home/NAME/...). Storing keeps the file name and masks the folders,
+# with the rules tests/nbval_sanitize.cfg applies to both sides of every comparison, in the same order
+# (tests/test_portability.py checks it), so a stored output and a fresh run still compare equal.
+TEMPORARY_PATH = "/tmp/[^\\s'\"]+"  # the rule's text as the sanitizer file writes it
+# Two or more components after a slash that no word, dot, slash, tilde or hyphen precedes: not a
+# relative path (.venv/lib/...), a URL's path (https://host/a/b) or a rate (Gb/s). The system's own
+# files (/etc/hosts, /dev/shm, /proc/..., /sys/...) are the same on every machine: they stay.
+ABSOLUTE_PATH = r"(?<![\w./~-])/(?!(?:etc|dev|proc|sys)/)(?:[\w.+-]+/)+([\w.+-]+)"
+PATH_MASKS = ((TEMPORARY_PATH, "TMPPATH"), (ABSOLUTE_PATH, r".../\1"))
+
+
+def mask_paths(text: str) -> str:
+    """text with each temporary path as TMPPATH and each other absolute path as .../its file name."""
+    for pattern, replacement in PATH_MASKS:
+        text = re.sub(pattern, replacement, text)
+    return text
+
+
+def output_texts(output: dict) -> list[tuple[dict, str]]:
+    """(the dict that holds it, its key) for every text of one stored output: a stream's text, each
+    text/* representation, an error's value and traceback."""
+    places = [(output, key) for key in ("text", "evalue", "traceback") if key in output]
+    data = output.get("data", {})
+    return places + [(data, mime) for mime in data if mime.startswith("text/")]
+
+
+def mask_stored_paths(notebook) -> None:
+    """Mask the absolute paths in every output of a notebook (an nbformat node or the JSON as a dict)."""
+    for cell in notebook["cells"]:
+        for output in cell.get("outputs", []):
+            for holder, key in output_texts(output):
+                value = holder[key]
+                holder[key] = [mask_paths(part) for part in value] if isinstance(value, list) else mask_paths(value)
 
 
 def execute_in_place(path: str | Path, timeout_s: int = 600) -> float:
@@ -39,6 +76,7 @@ def execute_in_place(path: str | Path, timeout_s: int = 600) -> float:
     notebook.metadata.pop("widgets", None)  # saved widget state is noise: nbval never compares it
     for cell in notebook.cells:
         cell.metadata.pop("execution", None)  # timestamps stored by earlier runs
+    mask_stored_paths(notebook)
     nbformat.write(notebook, path)
     return elapsed
 

@@ -13,13 +13,20 @@ passes here and fails there. Two switches reproduce other machines' rounding on 
 - OMP_NUM_THREADS=1: one thread per process, so reductions are not split across threads.
 
 A notebook that passes nbval under these as well as normally states facts, not this CPU's rounding.
-Exit status 0 when every variant passes, 1 when a cell's output changed, 2 on a bad argument.
+
+First, without running anything, it reads every stored output for absolute paths: a path of the machine
+that stored the notebook (/work/..., /home/NAME/...) is not the learner's, and shows them another
+machine's folders. Re-storing with `python -m ddp_course.notebooks` masks them.
+Exit status 0 when every variant passes and no stored output holds an absolute path, 1 otherwise,
+2 on a bad argument.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -28,6 +35,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 from ddp_course.launch import REPO_ROOT
+from ddp_course.notebooks import ABSOLUTE_PATH, TEMPORARY_PATH, output_texts
 
 NOTEBOOK_FOLDERS = ("lectures", "labs", "solutions")
 
@@ -43,6 +51,30 @@ DEFAULT_VARIANT = "scalar-1thread"
 
 def all_notebooks() -> list[Path]:
     return sorted(path for folder in NOTEBOOK_FOLDERS for path in (REPO_ROOT / folder).glob("*.ipynb"))
+
+
+def stored_absolute_paths(notebook: Path) -> list[str]:
+    """'notebook cell N (nbval's Cell M): /the/path' for each absolute path in a stored output.
+
+    N counts every cell, as an editor shows them; nbval names code cells only, M of them before it.
+    """
+    found = []
+    code_cells = 0
+    for index, cell in enumerate(json.loads(notebook.read_text())["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        for output in cell.get("outputs", []):
+            for holder, key in output_texts(output):
+                value = holder[key]
+                text = "".join(value) if isinstance(value, list) else str(value)
+                for match in re.finditer(f"{TEMPORARY_PATH}|{ABSOLUTE_PATH}", text):
+                    found.append(f"{display_name(notebook)} cell {index} (nbval's Cell {code_cells}): {match.group(0)}")
+        code_cells += 1
+    return found
+
+
+def display_name(notebook: Path) -> str:
+    return str(notebook.relative_to(REPO_ROOT)) if notebook.is_relative_to(REPO_ROOT) else str(notebook)
 
 
 def changed_cells(junit_xml: Path) -> list[str]:
@@ -63,6 +95,9 @@ def run_variant(name: str, notebooks: list[Path], timeout_s: float) -> tuple[lis
         report = Path(folder) / "nbval.xml"
         command = [
             sys.executable, "-m", "pytest", "--nbval", "-q", "-p", "no:cacheprovider",
+            # pytest.ini gives these to the course's notebooks; a notebook outside the course gets them here
+            # (as one argument: a path given alone would count in pytest's choice of its rootdir)
+            "--nbval-current-env", f"--nbval-sanitize-with={REPO_ROOT / 'tests' / 'nbval_sanitize.cfg'}",
             f"--junitxml={report}", *map(str, notebooks),
         ]  # fmt: skip
         started = time.perf_counter()
@@ -98,6 +133,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     notebooks = [Path(path).resolve() for path in args.notebooks] or all_notebooks()
+    stored_paths = [line for notebook in notebooks for line in stored_absolute_paths(notebook)]
+    print(f"stored outputs of {len(notebooks)} notebook(s): {len(stored_paths)} absolute path(s)", flush=True)
+    for line in stored_paths:
+        print(f"  ABSOLUTE PATH {line}")
     any_changed = False
     for name in args.variant or [DEFAULT_VARIANT]:
         settings = " ".join(f"{key}={value}" for key, value in VARIANTS[name].items())
@@ -107,9 +146,14 @@ def main(argv=None) -> int:
             print(f"  CHANGED {line}")
         print(f"  {tail.splitlines()[-1] if tail else ''} [{seconds:.0f} s]", flush=True)
         any_changed |= bool(changed)
-    print("portable: every compared output is the same under these numerics" if not any_changed
-          else "NOT portable: the cells above print something that depends on the CPU's rounding")  # fmt: skip
-    return 1 if any_changed else 0
+    if stored_paths:
+        print("NOT portable: the stored outputs above hold another machine's folders "
+              "(re-store those notebooks with python -m ddp_course.notebooks)")  # fmt: skip
+    if any_changed:
+        print("NOT portable: the cells above print something that depends on the CPU's rounding")
+    if not stored_paths and not any_changed:
+        print("portable: every compared output is the same under these numerics, and no stored output holds an absolute path")
+    return 1 if any_changed or stored_paths else 0
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def train(args, rank, world_size, device):
             loss.backward()  # DDP all-reduces the gradients here: every rank gets the average
             optimizer.step()
             loss_sum, seen = loss_sum + loss.item() * len(labels), seen + len(labels)
-        model.module.eval()  # score the bare model: DDP's forward can broadcast buffers, a collective (lecture 3)
+        model.module.eval()  # score the bare model: DDP's forward can broadcast buffers, a collective (lecture 4 §2.7)
         with torch.no_grad():
             hits = [model.module(images.to(device)).argmax(dim=1) == labels.to(device) for images, labels in test_loader]
         correct, total = sum(int(h.sum()) for h in hits), sum(len(h) for h in hits)

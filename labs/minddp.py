@@ -34,7 +34,7 @@ extra call:
     # ZeRO stage 1: each rank keeps Adam's moments for its shard of the parameters only.
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
 
-Design choices, each what torch's reducer does (lecture 4 shows it on real jobs):
+Design choices: all but the bucket layout are what torch's reducer does (lecture 4 shows it on real jobs):
 - Average = sum / world_size. With equal shards, the mean of the ranks' mean losses is the mean loss of
   the global batch, so the averaged gradient is the full-batch gradient. We divide by world_size before
   the asynchronous sum (as torch's default communication hook does), so waiting is all that is left.
@@ -42,10 +42,12 @@ Design choices, each what torch's reducer does (lecture 4 shows it on real jobs)
   rank issues them, not by name: if rank 0's first all-reduce is bucket 1 and rank 1's is bucket 0,
   they are summed together (silently, on gloo, when the sizes agree). So all-reduces are launched
   strictly in a fixed order, bucket 0 first; a ready bucket waits until all earlier ones have gone.
-- Reverse registration order. Modules usually register parameters in forward order, and backward
-  produces gradients in roughly reverse forward order, so bucket 0 (the last layers) fills first.
-  Torch additionally caps the first bucket at 1 MiB and, after the first iteration, rebuilds the
-  buckets in the order gradients really arrived; we keep the construction order.
+- Buckets filled from the end of parameters(), and kept: our choice, not torch's. Modules usually
+  register parameters in forward order, and backward produces gradients in roughly reverse forward
+  order, so bucket 0 (the last layers) fills first. Torch's reducer starts with one bucket holding
+  every parameter (buckets along parameters(), then reversed, only with find_unused_parameters=True)
+  and at the second forward rebuilds them in the order gradients really arrived, the first capped at
+  1 MiB (lecture 4, section 2.3, the rules' one home).
 - A missing gradient never hangs: a parameter that got no gradient in a step (unused by this rank's
   forward) is treated as a zero gradient when finish_gradient_synchronization() launches what is left,
   in the same order, so every rank issues the same collectives. Its .grad afterwards is the average of
