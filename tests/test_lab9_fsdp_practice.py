@@ -167,3 +167,86 @@ def test_the_peak_formula_is_the_sheets():
     sizes = {"weights": 100, "root": 10, "block": 20, "bucket": 30}
     predicted = {impl: lab9.predicted_peak(impl, sizes, 1000, 4) for impl in lab9.MEMORY_IMPLS}
     assert predicted == {"ddp": 1400, "zero1": 1250, "zero2": 1180, "fsdp": 1105, "fully_shard": 1105, "fully_shard_keep": 1175}
+
+
+# --- in this process, on a one-rank gloo group: ZeRO-2's bucket order, and what the memory verdict sees -----
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A gloo process group of one rank in this process (destroyed afterwards), and its DistContext."""
+    import torch
+    import torch.distributed as dist
+
+    from ddp_course.distributed import DistContext
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield DistContext(0, 0, 1, "gloo", torch.device("cpu"))
+    dist.destroy_process_group()
+
+
+def run_zero2_steps(minizero2, net, steps: int) -> tuple[list[list[int]], object]:
+    """AdamW steps of ZeRO2(net), a bucket per layer; after every gradient hook, how many buckets hold a full
+    gradient - a list per step - and the model."""
+    import torch
+
+    model = minizero2.ZeRO2(net, bucket_cap_mb=64 * 64 * 4 / 2**20)
+    optimizer = minizero2.ShardedStep(model, torch.optim.AdamW, lr=0.01)
+    live: list[list[int]] = []
+    for param in net.parameters():  # registered after ZeRO2's own hooks: they run after the bucket took the gradient
+        param.register_post_accumulate_grad_hook(lambda _: live[-1].append(sum(b.gradients is not None for b in model.buckets)))
+    for step in range(steps):
+        live.append([])
+        optimizer.zero_grad()
+        model(torch.randn(8, 64, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        model.finish_gradient_synchronization()
+        optimizer.step()
+    return live, model
+
+
+def test_zero2_keeps_two_full_gradient_buckets_when_modules_run_in_another_order(one_rank):
+    """Four layers registered a, b, c, d and called d, c, b, a: backward produces a's gradient first, which is
+    the last bucket's. The first step holds three buckets' full gradients at once (the bound needs bucket
+    order); it then rebuilds the buckets in the order observed, and from the second step on holds at most
+    two - and trains exactly as AdamW on the plain model does."""
+    import torch
+    from torch import nn
+
+    minizero2 = import_script(REPO_ROOT / "labs" / "minizero2.py", "minizero2_order")
+
+    class UsedBackwards(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c, self.d = (nn.Linear(64, 64, bias=False) for _ in range(4))
+
+        def forward(self, x):
+            for layer in (self.d, self.c, self.b, self.a):
+                x = torch.tanh(layer(x))
+            return x
+
+    torch.manual_seed(0)
+    plain = UsedBackwards()
+    net = UsedBackwards()
+    net.load_state_dict(plain.state_dict())
+    live, model = run_zero2_steps(minizero2, net, steps=3)
+    assert max(live[0]) == 3 and model.rebuilt  # the first step: out of order, as the docstring says
+    assert max(live[1]) <= 2 and max(live[2]) <= 2, live
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    for step in range(3):
+        optimizer.zero_grad()
+        plain(torch.randn(8, 64, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        optimizer.step()
+    for ours, theirs in zip(net.parameters(), plain.parameters()):
+        assert torch.allclose(ours, theirs, rtol=0, atol=1e-6)
+
+
+def test_zero2_in_bucket_order_is_not_rebuilt(one_rank):
+    import torch
+    from torch import nn
+
+    minizero2 = import_script(REPO_ROOT / "labs" / "minizero2.py", "minizero2_order")
+    torch.manual_seed(0)
+    net = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
+    live, model = run_zero2_steps(minizero2, net, steps=2)
+    assert not model.rebuilt and max(map(max, live)) == 1  # each bucket launched as soon as it is full
