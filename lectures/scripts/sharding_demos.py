@@ -201,7 +201,7 @@ def memory_and_bytes(stage: str, group, device: torch.device, **fsdp_options) ->
         step(inputs, targets)  # nothing else written meanwhile: what this process wrote is what it sent
     held = model_state_bytes(parameters, optimizer)
     facts = {"held": held, "calls": dict(sorted(counter.bytes_by_kind().items())), "wire": counter.ring_model_bytes_per_rank(world),
-             "written": written["bytes"]}  # fmt: skip
+             "written": written["bytes"] if dist.get_backend(group) == "gloo" else None}  # NCCL does not write() its bytes
     weights = torch.cat([full(p).detach().cpu().flatten() for p in model.parameters()])  # to compare with DDP's
     del model, step, parameters, optimizer
     return facts, weights
