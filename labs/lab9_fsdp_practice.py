@@ -304,9 +304,11 @@ class Allocations:
     """What allocations() yields. Inside its block, `with found.measured():` marks the part to weigh (at most
     once; the whole block if never), and found.sample() notes the bytes allocated at that moment. After the
     block, found.peak is the most bytes the device's allocator had handed out at once during the marked
-    part, and found.at_samples the bytes at each sample(), both counting everything allocated since the
-    block began and not freed yet: what the block built before the marked part (a model, its optimizer's
-    state) counts; what existed before the block does not, nor do its frees.
+    part, and found.at_samples the bytes at each sample(), both net of when the block began: allocated
+    then less allocated at its start. So what the block built before the marked part (a model, its
+    optimizer's state) counts, what existed before does not - and a free of memory that existed before
+    lowers the figure (the checkpoint part's zero_grad frees the previous step's gradients: both its
+    peaks are net of them, which leaves the comparison between its two settings fair).
     CPU: torch.profiler's memory events, each carrying the allocator's running total (every thread's, gloo's
     workers included: see track_every_thread). CUDA (written with care, NOT RUN on a GPU): torch.cuda's
     max_memory_allocated and memory_allocated, less memory_allocated when the block began."""

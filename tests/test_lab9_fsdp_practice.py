@@ -314,3 +314,15 @@ def test_the_memory_verdict_fails_an_implementation_that_keeps_one_more_full_siz
         facts = weigh_one_step(lab9, one_rank, impl, modules)
         assert facts["counted_passed"] and not facts["measured_passed"] and not facts["passed"], (impl, facts["measured_minus_predicted_in_w"])
         assert facts["measured_minus_predicted_in_w"] > 0.75
+
+
+def test_an_allocator_that_cannot_count_every_thread_is_refused_in_one_line(lab9, monkeypatch):
+    """Without c10's flag the CPU figures would miss gloo's threads: refused with the parts to leave out."""
+    import ctypes
+
+    def no_library(*args, **kwargs):
+        raise OSError("no such library")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    with pytest.raises(lab9.CourseError, match=r"cannot make the CPU allocator count every thread .* leave out the memory, meta and checkpoint"):
+        lab9.track_every_thread()
