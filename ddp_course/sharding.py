@@ -7,6 +7,7 @@
                                         in forward and before its backward: where an FSDP's memory changes
     StepWatch(sources)                  bytes per category (each storage once) sampled at those points of a step
     cuda_peak(device)                   torch.cuda's peak allocation during a block, less what was allocated before
+    bytes_written()                     what this process really wrote (sockets included) during a block: Linux
     predicted_bytes_per_step(...)       the bytes one rank sends per step under each stage (lecture 2's ring costs)
     predicted_state_bytes(...)          the model state one rank keeps under each stage, with Adam in float32
 
@@ -18,6 +19,11 @@ Ring costs (lecture 2), for a payload of S bytes on N ranks, bytes each rank sen
     all-reduce                       2 (N - 1) / N x S   (a reduce-scatter, then an all-gather)
     all-gather, reduce-scatter       (N - 1) / N x S     (S: the gathered output, the scattered input)
     broadcast                        (N - 1) / N x S     (pipelined: on average over the ranks)
+CollectiveCounter's ring_model_bytes_* apply them to the payloads it recorded: what a ring would send (NCCL's
+ring algorithms do), a count and a model, not a measurement. gloo does not run every collective as a ring:
+its reduce-scatter is an all-reduce of the whole input, of which each rank keeps its part
+(ProcessGroupGloo::reduce_scatter_tensor_coalesced; its profiler span is "gloo:all_reduce"), so on gloo a
+reduce-scatter sends 2 (N - 1) / N x S, twice the model. bytes_written() measures what really left.
 """
 
 from __future__ import annotations
@@ -118,12 +124,13 @@ class CollectiveCounter:
             totals[kind] = totals.get(kind, 0) + size
         return totals
 
-    def wire_bytes_per_rank(self, world_size: int) -> float:
-        """Bytes each rank sends for the recorded calls, by the ring costs (module docstring)."""
+    def ring_model_bytes_per_rank(self, world_size: int) -> float:
+        """Bytes each rank would send for the recorded calls by the ring costs (module docstring): a model
+        applied to the payloads, which gloo's reduce-scatter exceeds."""
         return sum(RING_FACTOR[kind](world_size) * size for kind, size in self.calls)
 
-    def wire_bytes_by_group(self) -> dict[tuple[int, ...], float]:
-        """{ranks of a process group: bytes each of its ranks sends}, each call by its own group's size: on a
+    def ring_model_bytes_by_group(self) -> dict[tuple[int, ...], float]:
+        """{ranks of a process group: bytes each of its ranks would send by the ring costs}, each call by its own group's size: on a
         2-D mesh, what travels inside a group of ranks (a node) and what travels between groups."""
         found: dict[tuple[int, ...], float] = {}
         for (kind, size), ranks in zip(self.calls, self.groups):
@@ -149,7 +156,7 @@ def count_collectives(*modules):
 
         with count_collectives(minifsdp) as counter:   # minifsdp: a module that saved its own aliases
             training_step(...)
-        counter.bytes_by_kind(), counter.wire_bytes_per_rank(world_size)
+        counter.bytes_by_kind(), counter.ring_model_bytes_per_rank(world_size)
 
     It replaces the functions of COLLECTIVES in torch.distributed, and in each module given any global that
     is one of them (solutions/minifsdp.py binds `all_gather_single = dist.all_gather_single` at import:
@@ -338,3 +345,26 @@ def cuda_peak(device: torch.device):
     yield found
     torch.cuda.synchronize(device)  # kernels still running may allocate: wait before reading the peak
     found["bytes"] = torch.cuda.max_memory_allocated(device) - before
+
+
+def _written_so_far() -> int | None:
+    """wchar of /proc/self/io: the bytes every thread of this process has passed to write-like system calls
+    (files, pipes and sockets - gloo's sends); None where there is no such file (not Linux)."""
+    try:
+        with open("/proc/self/io") as io:
+            return next(int(line.split()[1]) for line in io if line.startswith("wchar:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+@contextmanager
+def bytes_written():
+    """Yields a dict whose "bytes" is, after the block, what this process wrote during it (None off Linux).
+    Around collectives and nothing else (no printing, no files), that is what this rank sent: payloads
+    plus the transport's small headers. Measured, unlike CollectiveCounter's ring model."""
+    found = {"bytes": None}
+    before = _written_so_far()
+    yield found
+    after = _written_so_far()
+    if before is not None and after is not None:
+        found["bytes"] = after - before

@@ -77,8 +77,9 @@ IMPLS = ("ddp", "zero1", "zero2", "fsdp", "fully_shard", "fully_shard_keep")
 STAGE = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsdp", "fully_shard": "fsdp", "fully_shard_keep": "zero2"}
 FULLY_SHARD = ("fully_shard", "fully_shard_keep")
 ADAMW_LR = 1e-3
-# ZeRO-2's buckets: about one transformer block each (0.75 MiB), so that during backward only the bucket
-# being filled holds full gradients (with DDP's 25 MiB this 3 MiB model would be one bucket: all of them).
+# ZeRO-2's buckets: about one transformer block each (0.75 MiB), so that during backward at most two buckets
+# hold full gradients - the one in flight and the one being filled, when gradients arrive in bucket order
+# (labs/minizero2.py) - where DDP's 25 MiB would make this 3 MiB model one bucket: all of them at once.
 ZERO2_BUCKET_MB = 1.0
 BYTES_TOLERANCE = 0.05  # measured bytes per step vs the formula: padding and the replicated vectors stay far below
 MIB = 2**20
@@ -241,7 +242,7 @@ def measure(args, ctx, tokens, modules) -> tuple[dict, dict]:
             "cuda_peak_allocated_bytes": None if cuda["bytes"] is None else int(lab6.job_max(cuda["bytes"], ctx)),
             "collective_bytes_by_kind": counter.bytes_by_kind(),
             "messages_per_step": len(counter.calls),  # each pays the fixed latency alpha, whatever its size
-            "bytes_per_step_measured": counter.wire_bytes_per_rank(ctx.world_size),
+            "bytes_per_step_measured": counter.ring_model_bytes_per_rank(ctx.world_size),
             "bytes_per_step_predicted": predicted(impl, lab6.new_model(args, ctx), ctx.world_size),
         }
     times = {impl: [] for impl in args.impls}

@@ -36,8 +36,15 @@ zeros, launched by finish_gradient_synchronization() in the same order on every 
 padded to a multiple of world_size elements so that its reduce-scatter and all-gather split evenly; a
 parameter's gradient is copied into its bucket and then dropped (.grad = None), so the full gradient
 lives only in buckets still waiting for their reduce-scatter: when a bucket is launched, the one launched
-before it is waited for and freed, so at most two buckets hold full gradients at once (the one in flight
-and the one being filled); finish_gradient_synchronization() waits for the last.
+before it is waited for and freed; finish_gradient_synchronization() waits for the last.
+
+How many buckets hold full gradients at once depends on the order gradients arrive in. In bucket order,
+at most two: the one in flight and the one being filled. In another order - modules called in another
+order than they were registered, a parameter without a gradient in a step - a gradient for a later
+bucket opens that bucket's buffer, which must wait for every bucket before it: up to all of them, DDP's
+memory. So, as DDP's reducer does (Reducer::rebuild_buckets), the first step records the order the
+gradients arrived in (rank 0's, so that every rank agrees) and, if a gradient arrived for a bucket before
+an earlier bucket was complete, builds the buckets again in that order; from the second step on, if backward keeps that order, the bound is two.
 
 NCCL: every buffer is made on the parameters' device. Written for NCCL with care but run only on
 gloo/CPU so far.
@@ -130,13 +137,20 @@ class ZeRO2(nn.Module):
         with torch.no_grad():  # every rank starts from rank 0's weights and buffers
             for tensor in itertools.chain(module.parameters(), module.buffers()):
                 dist.broadcast(tensor.detach(), src=0)
-        trainable = [p for p in module.parameters() if p.requires_grad]  # a tied weight once
-        self.buckets = [Bucket(group, self.rank, self.world_size) for group in split(trainable[::-1], bucket_cap_mb * MIB)]
+        self.trainable = [p for p in module.parameters() if p.requires_grad]  # a tied weight once
+        self.cap_bytes = bucket_cap_mb * MIB
+        self._build_buckets(self.trainable[::-1])  # first guess: backward runs roughly last-first
+        self._arrival_order: list[int] | None = []  # indices into self.trainable, during the first step only
+        self.rebuilt = False  # whether the first step found another order and rebuilt the buckets
         self._next_to_launch = 0  # buckets before it have been launched
         self._next_to_finish = 0  # buckets before it have been reduce-scattered, and their full gradients freed
-        for bucket in self.buckets:
-            for index, param in enumerate(bucket.parameters):
-                param.register_post_accumulate_grad_hook(lambda _, b=bucket, i=index: self._gradient_ready(b, i))
+        for position, param in enumerate(self.trainable):
+            param.register_post_accumulate_grad_hook(lambda _, position=position: self._gradient_ready(position))
+
+    def _build_buckets(self, order: list[nn.Parameter]) -> None:
+        """Buckets of consecutive parameters of `order`, and where each parameter sits: (bucket, index)."""
+        self.buckets = [Bucket(group, self.rank, self.world_size) for group in split(order, self.cap_bytes)]
+        self._place = {id(p): (bucket, index) for bucket in self.buckets for index, p in enumerate(bucket.parameters)}
 
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)
@@ -151,15 +165,21 @@ class ZeRO2(nn.Module):
             b.shard_gradient for b in self.buckets if b.shard_gradient is not None
         ]
 
-    def _gradient_ready(self, bucket: Bucket, index: int) -> None:
-        bucket.gradient_in(index)
+    def _gradient_ready(self, position: int) -> None:
+        self._gradient_in(position)
         self._launch_ready_buckets()
         self._finish_all_but_the_latest()
 
+    def _gradient_in(self, position: int) -> None:
+        bucket, index = self._place[id(self.trainable[position])]
+        bucket.gradient_in(index)
+        if self._arrival_order is not None:
+            self._arrival_order.append(position)
+
     def _finish_all_but_the_latest(self) -> None:
         """Keep one reduce-scatter in flight (it overlaps the backward of the next bucket); wait for the older
-        ones and free their full gradients. So at most two buckets hold full gradients at any moment: the
-        one in flight and the one being filled - bounded memory, the same on every run."""
+        ones and free their full gradients. With gradients arriving in bucket order, at most two buckets
+        hold full gradients at any moment: the one in flight and the one being filled (module docstring)."""
         while self._next_to_finish < self._next_to_launch - 1:
             self.buckets[self._next_to_finish].finish()
             self._next_to_finish += 1
@@ -173,14 +193,42 @@ class ZeRO2(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         """After backward: launch what backward did not (missing gradients count as zeros), wait for every
         reduce-scatter; then each shard's .grad is the average over ranks of its slice of the gradient."""
+        positions = {id(p): position for position, p in enumerate(self.trainable)}
         for bucket in self.buckets[self._next_to_launch :]:
-            for index, ready in enumerate(bucket.ready):
+            for param, ready in zip(bucket.parameters, bucket.ready):
                 if not ready:
-                    bucket.gradient_in(index)
+                    self._gradient_in(positions[id(param)])
         self._launch_ready_buckets()
         for bucket in self.buckets[self._next_to_finish :]:  # the rest: wait for them
             bucket.finish()
         self._next_to_launch = self._next_to_finish = 0
+        if self._arrival_order is not None:  # the first step: rebuild the buckets in the order observed
+            order, self._arrival_order = self._arrival_order, None
+            self._rebuild_in_order(order)
+
+    def _rebuild_in_order(self, order: list[int]) -> None:
+        """Rank 0's observed order (broadcast: every rank must launch the same bucket k-th); if it is not the
+        buckets' order, new buckets in that order, carrying the weights and this step's averaged gradients
+        over. Before the optimizer's first step: ShardedStep then steps the new slices."""
+        device = self.trainable[0].device
+        observed = torch.tensor(order, dtype=torch.int64, device=device)
+        dist.broadcast(observed, src=0)
+        new_order = [self.trainable[position] for position in observed.tolist()]
+        bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket.parameters}
+        arrivals = [bucket_of[id(p)] for p in new_order]
+        if arrivals == sorted(arrivals):  # each bucket complete before the next one's first gradient (the order
+            return  # inside a bucket does not matter: it is one buffer)
+        full_gradients = {}  # each parameter's averaged gradient, gathered from the slices (once, W bytes)
+        for bucket in self.buckets:
+            flat = torch.empty_like(bucket.weights)
+            all_gather_single(flat, bucket.shard.grad)
+            for param, part in zip(bucket.parameters, flat.split(bucket.sizes + [flat.numel() - sum(bucket.sizes)])):
+                full_gradients[id(param)] = part.view_as(param)
+        self._build_buckets(new_order)
+        for bucket in self.buckets:
+            gradient = bucket.flatten([full_gradients[id(p)] for p in bucket.parameters])
+            bucket.shard.grad = gradient[bucket.rank * bucket.per_rank : (bucket.rank + 1) * bucket.per_rank].clone()
+        self.rebuilt = True
 
     def gather_weights(self) -> None:
         """After the optimizer stepped the slices: every rank's full weights are the updated ones again."""
@@ -214,5 +262,10 @@ class ShardedStep:
         self.local_optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self) -> None:
+        shards = self.model.shards()
+        if [id(s) for s in self.param_groups[0]["params"]] != [id(s) for s in shards]:  # the model rebuilt its buckets
+            if self.state:
+                raise RuntimeError("ZeRO2's buckets changed after the optimizer's first step")
+            self.param_groups[0]["params"] = shards  # before any state exists: the new slices, nothing to carry
         self.local_optimizer.step()
         self.model.gather_weights()

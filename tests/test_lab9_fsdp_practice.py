@@ -52,21 +52,21 @@ def machine_independent(report: dict) -> dict:
     found = {"world_size": report["world_size"]}
     if "memory" in report:
         memory = report["memory"]
-        found["memory"] = {key: memory[key] for key in ("categories", "labels", "sizes", "activations_after_forward", "passed")}
-        found["memory"]["impls"] = {impl: {key: facts[key] for key in ("bytes", "peak_bytes", "peak_at", "predicted_peak_bytes", "passed",
-                                                                        "bytes_per_step", "messages_per_step")}
-                                    for impl, facts in memory["impls"].items()}  # fmt: skip
+        found["memory"] = {key: memory[key] for key in ("categories", "labels", "sizes", "passed")}
+        kept = ("bytes", "counted_peak_bytes", "counted_peak_at", "predicted_peak_bytes", "activations_after_forward",
+                "counted_passed", "measured_passed", "ring_model_bytes_per_step", "messages_per_step")
+        found["memory"]["impls"] = {impl: {key: facts[key] for key in kept} for impl, facts in memory["impls"].items()}
         found["memory"]["zero2_check"] = memory["zero2_check"]["passed"]
     if "meta" in report:
         found["meta"] = {key: report["meta"][key] for key in ("whole_model_bytes", "loaded_equals_saved", "passed")}
     if "checkpoint" in report:
-        found["checkpoint"] = {setting: {key: report["checkpoint"][setting][key] for key in ("saved_after_forward_bytes", "all_gathers", "bytes_sent")}
+        found["checkpoint"] = {setting: {key: report["checkpoint"][setting][key] for key in ("saved_after_forward_bytes", "all_gathers", "ring_model_bytes")}
                                for setting in ("plain", "checkpointed")} | {"passed": report["checkpoint"]["passed"]}  # fmt: skip
     if "clip" in report:
         found["clip"] = {how: {key: report["clip"][how][key] for key in ("norms_agree", "replicated_parameters_agree", "passed")}
                          for how in ("naive", "fixed", "fully_shard")}  # fmt: skip
     if "hsdp" in report:
-        found["hsdp"] = {key: report["hsdp"][key] for key in ("mesh", "parameter_bytes", "bytes_by_dimension", "calls_by_dimension", "passed")}
+        found["hsdp"] = {key: report["hsdp"][key] for key in ("mesh", "parameter_bytes", "ring_model_bytes_by_dimension", "calls_by_dimension", "passed")}
     if "resume" in report:
         found["resume"] = {key: report["resume"][key] for key in ("saved_on", "resumed_on", "steps", "saved_after", "passed")}
     return found
@@ -83,20 +83,24 @@ def test_the_reference_the_sheet_shows_is_what_the_lab_measures(fresh, n, parts)
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("n", [2, 4])
 def test_every_implementations_peak_is_the_formulas(fresh, n):
-    """Measured within 5 % of the predicted peak, never above it by more; DDP's peak at the end of forward
-    (the activations and everything else still there), every FSDP's in backward's first block."""
+    """Counted within 5 % of the predicted peak, and measured by the allocator within [-1/4 W, +3/4 W] of it;
+    the allocator never holds less than the count. DDP's counted peak at the end of forward (the activations
+    and everything else still there), every FSDP's in backward's first block."""
     memory = fresh(n)["memory"]
+    low, high = memory["measured_tolerance"]
     for impl, facts in memory["impls"].items():
-        assert facts["passed"] and abs(facts["peak_bytes"] / facts["predicted_peak_bytes"] - 1) <= memory["tolerance"], (impl, facts["peak_vs_predicted"])
-    peaks = {impl: facts["peak_bytes"] for impl, facts in memory["impls"].items()}
+        assert facts["passed"] and abs(facts["counted_vs_predicted"] - 1) <= memory["counted_tolerance"], (impl, facts["counted_vs_predicted"])
+        assert low <= facts["measured_minus_predicted_in_w"] <= high, (impl, facts["measured_minus_predicted_in_w"])
+        assert facts["measured_peak_bytes"] >= facts["counted_peak_bytes"], impl  # the counted tensors are allocated too
+    peaks = {impl: facts["counted_peak_bytes"] for impl, facts in memory["impls"].items()}
     assert peaks["ddp"] > peaks["zero1"] > peaks["fully_shard_keep"] > peaks["fsdp"] and peaks["zero1"] > peaks["zero2"] > peaks["fsdp"]
-    assert memory["impls"]["ddp"]["peak_at"] == "forward < head" and memory["impls"]["fsdp"]["peak_at"].startswith("backward > blocks.")
-    totals = {impl: [sum(sample) for sample in facts["bytes"]] for impl, facts in memory["impls"].items()}
+    impls = memory["impls"]
+    assert impls["ddp"]["counted_peak_at"] == "forward < head" and impls["fsdp"]["counted_peak_at"].startswith("backward > blocks.")
+    totals = {impl: [sum(sample) for sample in facts["bytes"]] for impl, facts in impls.items()}
     start = memory["labels"].index("start")
     assert all(totals["fsdp"][start] < totals[other][start] for other in ("ddp", "zero1", "zero2"))  # between steps too
-    # ZeRO-2 from scratch: DDP's bytes per step, and the weights of one process on the global batch, at 2 and 4 ranks
-    impls = memory["impls"]
-    assert impls["zero2"]["bytes_per_step"] == pytest.approx(impls["ddp"]["bytes_per_step"], rel=0.01)
+    # ZeRO-2 from scratch: DDP's payloads at ring costs per step, and one process's weights, at 2 and 4 ranks
+    assert impls["zero2"]["ring_model_bytes_per_step"] == pytest.approx(impls["ddp"]["ring_model_bytes_per_step"], rel=0.01)
     assert memory["zero2_check"]["passed"] and memory["zero2_check"]["max_abs_diff_vs_single_process"] <= memory["zero2_check"]["tolerance"]
 
 
@@ -115,7 +119,7 @@ def test_activation_checkpointing_saves_memory_not_all_gathers(fresh):
     plain, checkpointed = checkpoint["plain"], checkpoint["checkpointed"]
     assert checkpointed["allocator_peak_bytes"] < plain["allocator_peak_bytes"]
     assert checkpointed["saved_after_forward_bytes"] < plain["saved_after_forward_bytes"] / 5
-    assert checkpointed["all_gathers"] == plain["all_gathers"] == 9 and checkpointed["bytes_sent"] == plain["bytes_sent"]
+    assert checkpointed["all_gathers"] == plain["all_gathers"] == 9 and checkpointed["ring_model_bytes"] == plain["ring_model_bytes"]
     assert checkpoint["weights_equal"]
 
 
@@ -139,6 +143,11 @@ def test_hsdp_sends_most_bytes_within_the_pair(fresh):
     hsdp = fresh(4)["hsdp"]
     assert hsdp["calls_by_dimension"] == {"shard": ["all_gather", "reduce_scatter"], "replicate": ["all_reduce"]}
     assert 0.98 <= hsdp["ratio_by_dimension"]["shard"] <= 1.0 and hsdp["ratio_by_dimension"]["replicate"] == pytest.approx(1.0, rel=0.001)  # padding
+    # What gloo really wrote: its reduce-scatter within the pair is an all-reduce, 2 (g-1)/g S = S where the
+    # ring model counts S/2; the all-gathers (S) and the replicate all-reduce (S/2) are as modelled: 2.5 S
+    # written for the model's 2 S, 1.25x (headers and the root's kept weights move it by a few per cent).
+    modelled = sum(hsdp["ring_model_bytes_by_dimension"].values())
+    assert 1.15 < hsdp["written_bytes_per_step"] / modelled < 1.35
     assert hsdp["max_abs_diff_vs_one_process"] <= hsdp["tolerance"] and hsdp["passed"]
 
 
@@ -147,6 +156,25 @@ def test_a_training_state_saved_on_2_ranks_resumes_on_4(fresh):
     resume = fresh(4)["resume"]
     differences = resume["max_abs_diff_vs_uninterrupted"]
     assert differences["model and optimizer"] <= resume["tolerance"] < 100 * resume["tolerance"] < differences["model only"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("n", [3, 9])
+def test_world_sizes_that_do_not_divide_8_split_the_global_batch_evenly(n):
+    """3 ranks (8 windows would split 3, 3, 2: the mean of the ranks' means is not the batch's, and clipping
+    FAILed) and 9 (more ranks than windows: chunk() gave 8 pieces, and rank 8 raised IndexError in meta and
+    clip): every rank gets windows_per_step(n) / n whole windows, and every part that runs PASSes."""
+    from ddp_course.launch import run_torchrun
+
+    result = run_torchrun(LAB9, ["--parts", "clip" if n == 3 else "meta,clip"], nproc=n, timeout_s=500)
+    assert result.ok, result.describe()
+    verdicts = [line for line in result.stdout.splitlines() if line.rstrip().endswith(("PASS", "FAIL"))]
+    assert len(verdicts) == (3 if n == 3 else 4) and all(line.rstrip().endswith("PASS") for line in verdicts), result.stdout
+
+
+def test_the_global_batch_is_a_multiple_of_the_world_size(lab9):
+    sizes = {n: lab9.windows_per_step(n) for n in (2, 3, 4, 5, 6, 7, 8, 9, 10, 16)}
+    assert sizes == {2: 8, 3: 9, 4: 8, 5: 10, 6: 12, 7: 14, 8: 8, 9: 9, 10: 10, 16: 16}
 
 
 def test_one_process_is_refused_in_one_line(lab9, capsys):
@@ -167,3 +195,134 @@ def test_the_peak_formula_is_the_sheets():
     sizes = {"weights": 100, "root": 10, "block": 20, "bucket": 30}
     predicted = {impl: lab9.predicted_peak(impl, sizes, 1000, 4) for impl in lab9.MEMORY_IMPLS}
     assert predicted == {"ddp": 1400, "zero1": 1250, "zero2": 1180, "fsdp": 1105, "fully_shard": 1105, "fully_shard_keep": 1175}
+
+
+# --- in this process, on a one-rank gloo group: ZeRO-2's bucket order, and what the memory verdict sees -----
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A gloo process group of one rank in this process (destroyed afterwards), and its DistContext."""
+    import torch
+    import torch.distributed as dist
+
+    from ddp_course.distributed import DistContext
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield DistContext(0, 0, 1, "gloo", torch.device("cpu"))
+    dist.destroy_process_group()
+
+
+def run_zero2_steps(minizero2, net, steps: int) -> tuple[list[list[int]], object]:
+    """AdamW steps of ZeRO2(net), a bucket per layer; after every gradient hook, how many buckets hold a full
+    gradient - a list per step - and the model."""
+    import torch
+
+    model = minizero2.ZeRO2(net, bucket_cap_mb=64 * 64 * 4 / 2**20)
+    optimizer = minizero2.ShardedStep(model, torch.optim.AdamW, lr=0.01)
+    live: list[list[int]] = []
+    for param in net.parameters():  # registered after ZeRO2's own hooks: they run after the bucket took the gradient
+        param.register_post_accumulate_grad_hook(lambda _: live[-1].append(sum(b.gradients is not None for b in model.buckets)))
+    for step in range(steps):
+        live.append([])
+        optimizer.zero_grad()
+        model(torch.randn(8, 64, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        model.finish_gradient_synchronization()
+        optimizer.step()
+    return live, model
+
+
+def test_zero2_keeps_two_full_gradient_buckets_when_modules_run_in_another_order(one_rank):
+    """Four layers registered a, b, c, d and called d, c, b, a: backward produces a's gradient first, which is
+    the last bucket's. The first step holds three buckets' full gradients at once (the bound needs bucket
+    order); it then rebuilds the buckets in the order observed, and from the second step on holds at most
+    two - and trains exactly as AdamW on the plain model does."""
+    import torch
+    from torch import nn
+
+    minizero2 = import_script(REPO_ROOT / "labs" / "minizero2.py", "minizero2_order")
+
+    class UsedBackwards(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c, self.d = (nn.Linear(64, 64, bias=False) for _ in range(4))
+
+        def forward(self, x):
+            for layer in (self.d, self.c, self.b, self.a):
+                x = torch.tanh(layer(x))
+            return x
+
+    torch.manual_seed(0)
+    plain = UsedBackwards()
+    net = UsedBackwards()
+    net.load_state_dict(plain.state_dict())
+    live, model = run_zero2_steps(minizero2, net, steps=3)
+    assert max(live[0]) == 3 and model.rebuilt  # the first step: out of order, as the docstring says
+    assert max(live[1]) <= 2 and max(live[2]) <= 2, live
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    for step in range(3):
+        optimizer.zero_grad()
+        plain(torch.randn(8, 64, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        optimizer.step()
+    for ours, theirs in zip(net.parameters(), plain.parameters()):
+        assert torch.allclose(ours, theirs, rtol=0, atol=1e-6)
+
+
+def test_zero2_in_bucket_order_is_not_rebuilt(one_rank):
+    import torch
+    from torch import nn
+
+    minizero2 = import_script(REPO_ROOT / "labs" / "minizero2.py", "minizero2_order")
+    torch.manual_seed(0)
+    net = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
+    live, model = run_zero2_steps(minizero2, net, steps=2)
+    assert not model.rebuilt and max(map(max, live)) == 1  # each bucket launched as soon as it is full
+
+
+def weigh_one_step(lab9, ctx, impl: str, modules: dict) -> dict:
+    """Lab 9's memory part for one implementation on one rank: the counted and measured peaks, judged."""
+    from ddp_course.data import encode_text, load_stdlib_text, text_splits
+
+    tokens, _ = text_splits(encode_text(load_stdlib_text()))
+    args = lab9.parse_args(["--parts", "memory"])
+    timeline = lab9.memory_timeline(impl, args, ctx, modules, tokens)
+    return lab9.judge_peaks(impl, timeline, timeline.pop("labels"), lab9.model_sizes(lab9.lab8_args(args), ctx, 1), 1)
+
+
+@pytest.mark.timeout(300)
+def test_the_memory_verdict_fails_an_implementation_that_keeps_one_more_full_size_buffer(lab9, one_rank, monkeypatch):
+    """Two mutants that hold one more W than they should, which no count sees: ZeRO-2 keeping a copy of each
+    bucket's full gradient (leaked: W in all), DDP copying its gradients out of its buckets
+    (gradient_as_bucket_view=False: W more). The counted peak stays within its 5 % of the formula; the
+    allocator's does not - the verdict FAILs. Unchanged, both PASS."""
+    modules = lab9.lab8.modules_for(["zero2"])  # a fresh import of labs/minizero2.py: the mutant is patched into it
+    minizero2 = modules["minizero2"]
+    for impl in ("zero2", "ddp"):
+        facts = weigh_one_step(lab9, one_rank, impl, modules)
+        assert facts["passed"], (impl, facts["measured_minus_predicted_in_w"])
+    launch = minizero2.Bucket.launch
+
+    def launch_and_keep_a_copy(bucket):
+        bucket.leaked = bucket.gradients.clone()
+        launch(bucket)
+
+    monkeypatch.setattr(minizero2.Bucket, "launch", launch_and_keep_a_copy)
+    ddp = lab9.lab8.DDP
+    monkeypatch.setattr(lab9.lab8, "DDP", lambda *args, **kwargs: ddp(*args, **{**kwargs, "gradient_as_bucket_view": False}))
+    for impl in ("zero2", "ddp"):
+        facts = weigh_one_step(lab9, one_rank, impl, modules)
+        assert facts["counted_passed"] and not facts["measured_passed"] and not facts["passed"], (impl, facts["measured_minus_predicted_in_w"])
+        assert facts["measured_minus_predicted_in_w"] > 0.75
+
+
+def test_an_allocator_that_cannot_count_every_thread_is_refused_in_one_line(lab9, monkeypatch):
+    """Without c10's flag the CPU figures would miss gloo's threads: refused with the parts to leave out."""
+    import ctypes
+
+    def no_library(*args, **kwargs):
+        raise OSError("no such library")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    with pytest.raises(lab9.CourseError, match=r"cannot make the CPU allocator count every thread .* leave out the memory, meta and checkpoint"):
+        lab9.track_every_thread()

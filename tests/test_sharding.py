@@ -8,6 +8,7 @@ stage) are checked against the formula by tests/test_lab8_fsdp.py.
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,10 +133,10 @@ def test_count_collectives_sees_ddp_through_a_python_comm_hook(one_rank_group):
     del plain, hooked
 
 
-def test_wire_bytes_use_the_ring_costs():
+def test_ring_model_bytes_use_the_ring_costs():
     counter = sharding.CollectiveCounter([("all_reduce", 100), ("all_gather", 100), ("reduce_scatter", 100), ("broadcast", 100)])
-    assert counter.wire_bytes_per_rank(4) == pytest.approx(2 * 0.75 * 100 + 3 * 0.75 * 100)
-    assert counter.wire_bytes_per_rank(1) == 0
+    assert counter.ring_model_bytes_per_rank(4) == pytest.approx(2 * 0.75 * 100 + 3 * 0.75 * 100)
+    assert counter.ring_model_bytes_per_rank(1) == 0
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -190,3 +191,11 @@ def test_cuda_peak_is_none_on_a_cpu_device():
     with sharding.cuda_peak(torch.device("cpu")) as found:
         torch.zeros(1000)
     assert found == {"bytes": None}
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="bytes_written reads Linux's /proc/self/io")
+def test_bytes_written_measures_what_this_process_writes(tmp_path):
+    """What the process passes to write-like calls during the block - a file here; sockets the same way."""
+    with open(tmp_path / "out.bin", "wb", buffering=0) as file, sharding.bytes_written() as written:
+        file.write(b"x" * 100_000)
+    assert written["bytes"] == 100_000

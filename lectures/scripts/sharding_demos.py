@@ -43,7 +43,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn import functional as F
 
 from ddp_course.cli import CourseArgumentParser
-from ddp_course.sharding import count_collectives, model_state_bytes
+from ddp_course.sharding import bytes_written, count_collectives, model_state_bytes
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -196,10 +196,12 @@ def memory_and_bytes(stage: str, group, device: torch.device, **fsdp_options) ->
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     model, step, parameters, optimizer = build(stage, group, device, **fsdp_options)
     step(*local_batch(0, rank, device))
-    with count_collectives(sys.modules[__name__]) as counter:  # this module's aliases too (FlatZero's calls)
-        step(*local_batch(1, rank, device))
+    inputs, targets = local_batch(1, rank, device)
+    with count_collectives(sys.modules[__name__]) as counter, bytes_written() as written:  # this module's aliases too
+        step(inputs, targets)  # nothing else written meanwhile: what this process wrote is what it sent
     held = model_state_bytes(parameters, optimizer)
-    facts = {"held": held, "calls": dict(sorted(counter.bytes_by_kind().items())), "wire": counter.wire_bytes_per_rank(world)}
+    facts = {"held": held, "calls": dict(sorted(counter.bytes_by_kind().items())), "wire": counter.ring_model_bytes_per_rank(world),
+             "written": written["bytes"] if dist.get_backend(group) == "gloo" else None}  # NCCL does not write() its bytes
     weights = torch.cat([full(p).detach().cpu().flatten() for p in model.parameters()])  # to compare with DDP's
     del model, step, parameters, optimizer
     return facts, weights
