@@ -109,7 +109,7 @@ def one_process_group():
     try:
         yield
     finally:
-        gc.collect()  # no DDP wrapper may outlive the group (course guide, section 6)
+        gc.collect()  # no DDP wrapper may outlive the group (CONTRIBUTING.md, "gloo teardown")
         if created:
             dist.destroy_process_group()
 

@@ -1,5 +1,6 @@
-"""Shared fixtures: run the labs the way a learner does (torchrun in a subprocess, with a timeout)."""
+"""Shared fixtures: run the labs the way a learner does (torchrun in a subprocess, with a timeout); each test's marker."""
 
+import contextlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -104,3 +105,117 @@ def refused_flag_line(capsys):
         return errors[0]
 
     return refuse
+
+
+# ---- Markers: which kind of test each item is (pytest.ini declares them; CONTRIBUTING.md, "Tests").
+#
+# Every item gets exactly one marker, from its file, so no test file carries a marker of its own:
+#   notebook  a cell of a notebook that `pytest --nbval` re-runs (any item collected from an .ipynb);
+#   cluster   a module that starts hosts in network namespaces and a SLURM cluster (root, Debian packages);
+#   torchrun  a module that starts other processes: torchrun jobs mostly, also elastic agents, a notebook
+#             kernel, a grading worker, git;
+#   unit      a module that runs in the pytest process and starts no process: `pytest -m unit` is the
+#             maintainer's inner loop (about a minute on 2 cores).
+# A module with one launching test among many quick ones counts as torchrun: the rule is per file, so a
+# new test's marker is its file's. tests/test_markers.py fails on a test file listed nowhere (or twice),
+# and a run that selects only unit tests refuses to start a process (refuse_processes below), so a
+# module listed as unit that starts one fails there with its name.
+CLUSTER_MODULES = {"test_multinode"}
+UNIT_MODULES = {
+    "test_02_collectives_exercises", "test_amp_choice", "test_budget", "test_calculators", "test_cross_references",
+    "test_diagrams",
+    "test_exercises_in_step", "test_faults", "test_launch_failures", "test_launch_helpers",
+    "test_lecture01_calculator", "test_lecture01_exercises", "test_lecture02_ddp_buckets",
+    "test_lecture03_exercises", "test_lecture05_exercises", "test_lecture06_calculator",
+    "test_lecture06_exercises", "test_links", "test_markers", "test_notation", "test_notebooks_stored",
+    "test_parameter_counts", "test_repository_files", "test_route", "test_sharding", "test_text_transformer",
+}  # fmt: skip
+TORCHRUN_MODULES = {
+    "test_checkers", "test_cifar10_prepare", "test_ddp_minimal", "test_device_discipline",
+    "test_exercise_generator_clones", "test_gpu_smoke", "test_grade", "test_helpers", "test_lab1_collectives",
+    "test_lab2_join", "test_lab2_sampler", "test_lab3_ddp", "test_lab5_scaling", "test_lab6_ddp_from_scratch",
+    "test_lab7_fault_tolerance", "test_lab7_hangs", "test_lab8_fsdp", "test_lab9_fsdp_practice",
+    "test_lecture04_demos", "test_lecture04_exercises", "test_lecture05_perf_job", "test_lecture06",
+    "test_lecture07", "test_minddp", "test_minifsdp", "test_portability", "test_profiling", "test_sheet_jobs",
+}  # fmt: skip
+MODULES_BY_MARKER = {"cluster": CLUSTER_MODULES, "torchrun": TORCHRUN_MODULES, "unit": UNIT_MODULES}
+
+
+def marker_of(path) -> str | None:
+    """The one marker of every item collected from path (a pathlib.Path); None for an unlisted test module."""
+    if path.suffix == ".ipynb":
+        return "notebook"
+    return next((marker for marker, modules in MODULES_BY_MARKER.items() if path.stem in modules), None)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marker = marker_of(item.path)
+        if marker is not None:
+            item.add_marker(marker)
+
+
+class ProcessStartRefused(RuntimeError):
+    pass
+
+
+REFUSED_STARTS: list[str] = []  # what each refused start was, in case a caller swallowed the exception
+
+
+def refuse_processes(reason: str):
+    """Make every process start in this pytest process raise ProcessStartRefused(reason); returns the undo.
+
+    subprocess.run, check_output and Popen all start their program through Popen._execute_child, and
+    multiprocessing (torch's spawn too) through BaseProcess.start, so patching the two catches every launch
+    helper in ddp_course.launch and everything a test might call directly."""
+    import multiprocessing.process
+    import subprocess
+
+    originals = (subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start)
+
+    def refuse_program(popen, args, *rest, **kwargs):
+        REFUSED_STARTS.append(" ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args))
+        raise ProcessStartRefused(f"{reason}: {REFUSED_STARTS[-1]}")
+
+    def refuse_process(process):
+        REFUSED_STARTS.append(f"multiprocessing {process.name}")
+        raise ProcessStartRefused(f"{reason}: {REFUSED_STARTS[-1]}")
+
+    subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start = refuse_program, refuse_process
+
+    def undo():
+        subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start = originals
+
+    return undo
+
+
+UNIT_ONLY_REASON = "a unit test started a process; list its module in TORCHRUN_MODULES (tests/conftest.py)"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def unit_runs_start_no_process(request):
+    """When every selected item is a unit test (`pytest -m unit`, or unit modules only), starting a process fails.
+
+    Only then: in a mixed run, a torchrun module's session fixture may still be launching jobs from its
+    own threads while a unit test runs, and those launches are meant."""
+    items = request.session.items
+    if not items or any(item.get_closest_marker("unit") is None for item in items):
+        yield
+        return
+    # A library's own one-time helper is not the test's: matplotlib's first import on a new machine runs
+    # `fc-list` to build its font cache, so that import happens before the refusal starts.
+    with contextlib.suppress(ImportError):
+        import matplotlib.font_manager  # noqa: F401
+    undo = refuse_processes(UNIT_ONLY_REASON)
+    yield
+    undo()
+
+
+@pytest.fixture(autouse=True)
+def no_refused_start_was_swallowed(unit_runs_start_no_process):
+    """A refused start fails its test even if the code under test caught ProcessStartRefused."""
+    before = len(REFUSED_STARTS)
+    yield
+    if len(REFUSED_STARTS) > before:
+        pytest.fail(f"{UNIT_ONLY_REASON}: {REFUSED_STARTS[before:]}", pytrace=False)

@@ -29,7 +29,7 @@ EPOCHS, BATCH, LR, SEED = 2, 64, 0.05, 0
 # Float32 rounds each operation by up to eps/2 (eps = 1.2e-7). DDP sums the same gradient terms as
 # one process, in another order (per rank, then across ranks), so each step's gradient differs by a
 # few eps relative, and training carries the difference on: 1e-7 to 1e-5 relative after tens of steps
-# between CPUs (COURSE_GUIDE section 5). These runs make 24 (2 ranks) and 16 (3 ranks) steps; we allow
+# between CPUs (CONTRIBUTING.md, "Portable outputs"). These runs make 24 (2 ranks) and 16 (3 ranks) steps; we allow
 # 1e-4, ten times that spread and still 100 times below a real slip (one step with a gradient that is
 # not the global average, e.g. summed instead of averaged, moves the weights by more than 1e-2 relative).
 TOLERANCE = 1e-4

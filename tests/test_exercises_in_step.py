@@ -1,4 +1,4 @@
-"""Every lecture's exercises cannot drift from their solutions (course guide 4.9).
+"""Every lecture's exercises cannot drift from their solutions (CONTRIBUTING.md, "Adding an exercise").
 
 nbval runs each lecture and its solutions notebook. This module checks, for every pair, what nbval
 cannot: each exercise cell of the lecture is its solution cell with every `# SOLUTION START` ...

@@ -36,7 +36,7 @@ CHECKPOINT_KEYS = {"model_name", "model", "optimizer", "scaler", "epoch", "step_
 # "Equal up to float32 rounding" for runs that sum the same gradients in a different order (2 ranks
 # and an all-reduce, or micro-batches, against one process). One float32 rounding is 2**-24 = 6e-8
 # relative; these 6-step runs differed by 6e-8 to 8e-8 here, and between CPU kernel paths float32
-# training drifts by 1e-7 to 1e-5 over tens of steps (COURSE_GUIDE section 5), more with more steps.
+# training drifts by 1e-7 to 1e-5 over tens of steps (CONTRIBUTING.md, "Portable outputs"), more with more steps.
 # 1e-5 sits above that for 6 steps, and 1000x below what the bugs these tests guard against do:
 # the old per-micro-batch weighting moved the weights by 2e-2, a different global batch by 6e-2.
 ROUNDING_TOLERANCE = 1e-5

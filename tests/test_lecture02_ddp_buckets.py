@@ -45,7 +45,7 @@ def buckets_before_and_after_first_iteration(**ddp_kwargs) -> tuple[list[int], b
         return before, ddp._has_rebuilt_buckets, bucket_bytes(ddp)
     finally:
         del ddp
-        gc.collect()  # no DDP reference cycle may outlive the process group (course guide 6)
+        gc.collect()  # no DDP reference cycle may outlive the process group (CONTRIBUTING.md, "gloo teardown")
 
 
 @pytest.fixture(scope="module")

@@ -465,7 +465,7 @@ def run_demos(rank: int, world_size: int, trace_dir: str | None) -> dict:
     report = {}
     for demo in DEMOS:
         report[demo.__name__.removeprefix("demo_")] = demo(rank, world_size)
-        gc.collect()  # no DDP wrapper of a finished demo outlives it (course guide, section 6)
+        gc.collect()  # no DDP wrapper of a finished demo outlives it (CONTRIBUTING.md, "gloo teardown")
     if trace_dir:
         report["overlap_traces"] = demo_overlap_traces(rank, world_size, trace_dir)
     report["unused_on_one_rank_without_flag"] = demo_unused_on_one_rank_without_flag(rank, world_size)

@@ -395,7 +395,7 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(report, indent=1))
             print(f"sharding_demos: done in {report['wall_s']} s", flush=True)
     finally:
-        gc.collect()  # wrappers out of reach before the group goes (course guide, section 6)
+        gc.collect()  # wrappers out of reach before the group goes (CONTRIBUTING.md, "gloo teardown")
         dist.destroy_process_group()
 
 

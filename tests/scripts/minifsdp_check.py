@@ -477,7 +477,7 @@ def main() -> int:
     ctx = setup_distributed("gloo", timeout_s=args.timeout_s)
     try:
         # Every wrapper is built and dropped inside run_cases(): when it returns none is reachable, and
-        # teardown_distributed() collects them (gc) before destroying the group (COURSE_GUIDE section 6).
+        # teardown_distributed() collects them (gc) before destroying the group (CONTRIBUTING.md, "gloo teardown").
         failures = run_and_report(ctx)
     finally:
         teardown_distributed()
