@@ -182,12 +182,17 @@ CHART_KINDS = {"plot": "line", "semilogx": "line", "semilogy": "line", "loglog":
                "fill_between": "area", "broken_barh": "timeline"}  # fmt: skip
 
 
+def field_words(expression: ast.AST) -> str:
+    """An f-string field as words: a plain name stays (`world_size`), an expression is known only when run."""
+    return ast.unparse(expression) if isinstance(expression, (ast.Name, ast.Attribute)) else "(value)"
+
+
 def readable_string(node: ast.AST) -> str | None:
     """A string literal or f-string as a reader would say it: an f-string's fields become their names."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         text = node.value
     elif isinstance(node, ast.JoinedStr):
-        text = "".join(part.value if isinstance(part, ast.Constant) else ast.unparse(part.value) for part in node.values)
+        text = "".join(part.value if isinstance(part, ast.Constant) else field_words(part.value) for part in node.values)
     else:
         return None
     text = re.sub(r"\$([^$]*)\$", r"\1", text)  # maths: S, not $S$

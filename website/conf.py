@@ -26,11 +26,12 @@ html_math_renderer = "mathml"  # course_site renders $...$ with latex2mathml
 html_theme = "sphinx_book_theme"
 html_theme_options = {
     "show_navbar_depth": 1,
-    "home_page_in_toc": True,
+    "home_page_in_toc": False,
     "use_download_button": False,
     "use_fullscreen_button": False,
     "navigation_with_keys": False,
 }
+html_context = {"default_mode": "auto"}  # unset, the theme's script logs "Got invalid theme mode" as an error
 html_static_path = ["_static"]
 html_css_files = ["course.css"]
 html_js_files = ["course.js"]
