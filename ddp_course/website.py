@@ -336,7 +336,11 @@ def link_section_references(text: str, page: str, labels: dict, problems: list[s
             return f"{{ref}}`{match.group(0)} <{label}>`"
 
         pieces.append(SECTION_REFERENCE.sub(link, plain))
-        if protected:
+        if protected:  # inside code or a link: left as written, but it must still name a real section
+            for match in SECTION_REFERENCE.finditer(protected.group(0)):
+                step = f"{match.group(1).lower()} {match.group(2)}"
+                if (step, match.group(3)) not in labels:
+                    problems.append(f"{page}: '{match.group(0)}' names no section of the course ({step} has no §{match.group(3)})")
             pieces.append(protected.group(0))
             last = protected.end()
     return "".join(pieces)
@@ -397,9 +401,10 @@ def stage_notebook(path: str, course: Course, staging: Path, labels: dict, writt
     target.write_text(json.dumps(notebook))
 
 
-def stage_markdown(path: str, course: Course, staging: Path, problems: list[str], name: str | None = None):
+def stage_markdown(path: str, course: Course, staging: Path, labels: dict, problems: list[str], name: str | None = None):
     text = (course.root / path).read_text()
     text = rewrite_links(text, path, course, problems)
+    text = link_section_references(text, path, labels, problems)
     target = staging / (name or path)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(text)
@@ -447,7 +452,7 @@ def entry(title: str, path: str) -> str:
     return f"{title} <{Path(path).with_suffix('').as_posix() if path.endswith(('.ipynb', '.md')) else path}>"
 
 
-def stage_landing_page(course: Course, staging: Path, problems: list[str]):
+def stage_landing_page(course: Course, staging: Path, labels: dict, problems: list[str]):
     readme = (course.root / "README.md").read_text()
     deep = deep_dive_steps(readme)
     route = [entry(f"{index}. {name}{' (deep dive)' if name in deep else ''}: {notebook_title(course, path).split(': ', 1)[-1]}", path)
@@ -458,6 +463,7 @@ def stage_landing_page(course: Course, staging: Path, problems: list[str]):
     solution_pages = solutions + [path for path in course.markdown if path.startswith("solutions/")]
     more = [path for path in course.markdown if path.startswith(("lectures/", "assets/"))] + other_sources
     text = rewrite_links(readme, "README.md", course, problems)
+    text = link_section_references(text, "README.md", labels, problems)
     text += toctree("The route", route)
     text += toctree("Optional", [entry(notebook_title(course, OPTIONAL_NOTEBOOK), OPTIONAL_NOTEBOOK)])
     text += toctree("Lab scripts and checklists", [entry(path, source_page_name(path) if path in course.sources else path) for path in lab_pages])
@@ -504,13 +510,13 @@ def stage(course: Course, staging: Path, stamp: Stamp) -> None:
     for path in course.notebooks:
         stage_notebook(path, course, staging, labels, written_alt, problems)
     for path in course.markdown:
-        stage_markdown(path, course, staging, problems)
+        stage_markdown(path, course, staging, labels, problems)
     for path in course.sources:
         stage_source(path, course, staging)
     for path in course.folders:
         stage_folder(path, course, staging)
     shutil.copytree(course.root / "assets", staging / "assets", dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.md"))
-    stage_landing_page(course, staging, problems)
+    stage_landing_page(course, staging, labels, problems)
     readme = (course.root / "README.md").read_text()
     site = {
         "route": [{"step": name, "doc": path.removesuffix(".ipynb")} for name, path in course.route],

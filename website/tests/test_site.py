@@ -127,7 +127,10 @@ def test_widgets_say_what_they_do_and_load_no_widget_script(site):
 
 def test_section_references_are_links_to_their_section(site):
     page = html_of(site, "lectures/06_debugging_fault_tolerance.ipynb")
-    assert re.search(r'href="04_ddp_internals.html#course-lecture-4-s2\.\d"', page) or "#course-lecture-" in page
+    assert 'href="07_sharded_data_parallelism.html#course-lecture-7-s6"><span class="std std-ref">lecture 7 §6' in page
+    checklist = (site / "labs" / "convert_checklist.html").read_text()
+    assert 'href="../lectures/04_ddp_internals.html#course-lecture-4-s1-2"' in checklist  # "lecture 4 §1.2"
+    assert 'id="course-lecture-7-s6"' in html_of(site, "lectures/07_sharded_data_parallelism.ipynb")
     assert website.check_site(site) == []  # every such link and its anchor resolve
 
 
@@ -145,7 +148,7 @@ def test_the_built_site_loads_nothing_from_the_internet(site):
 def course_copy(tmp_path) -> Path:
     """A copy of the course's files (not a git checkout: its stamp says so)."""
     root = tmp_path / "course"
-    for name in ("lectures", "labs", "solutions", "assets", "website"):
+    for name in ("lectures", "labs", "solutions", "assets", "website", "ddp_course"):
         shutil.copytree(REPO_ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__", "runs", "data", "*.pt"))
     shutil.copyfile(REPO_ROOT / "README.md", root / "README.md")
     return root
@@ -167,6 +170,12 @@ def build_problems(root: Path, tmp_path: Path) -> str:
     return str(refused.value)
 
 
+def test_the_unchanged_copy_stages_without_a_problem(course_copy, tmp_path):
+    """The mutants below are refused for their mutation alone: the copy they start from has no problem."""
+    website.stage(website.read_course(course_copy), tmp_path, website.current_stamp(course_copy, checked=False))
+    assert (tmp_path / "index.md").exists() and (tmp_path / "_course_site.json").exists()
+
+
 def test_the_build_refuses_a_notebook_with_one_output_cleared(course_copy, tmp_path):
     def clear(cells):  # what JupyterLab's "Clear Cell Output" does
         cell = first_cell(cells, lambda cell: any(output.get("name") == "stdout" for output in cell["outputs"]))
@@ -174,7 +183,8 @@ def test_the_build_refuses_a_notebook_with_one_output_cleared(course_copy, tmp_p
 
     edit_notebook(course_copy / "lectures" / "02_collectives.ipynb", clear)
     problems = build_problems(course_copy, tmp_path)
-    assert "lectures/02_collectives.ipynb: code cell" in problems and "has no stored outputs" in problems
+    assert problems.startswith("lectures/02_collectives.ipynb: code cell") and "has no stored outputs" in problems
+    assert len(problems.splitlines()) == 1, problems
     assert not (tmp_path / "html").exists()
 
 
@@ -184,7 +194,9 @@ def test_the_build_refuses_a_printing_cell_whose_outputs_alone_were_removed(cour
         cell["outputs"] = []
 
     edit_notebook(course_copy / "labs" / "lab3_ddp.ipynb", drop_outputs)
-    assert "but stores no output" in build_problems(course_copy, tmp_path)
+    problems = build_problems(course_copy, tmp_path)
+    assert problems.startswith("labs/lab3_ddp.ipynb: code cell") and "but stores no output" in problems
+    assert len(problems.splitlines()) == 1, problems
 
 
 def test_the_build_refuses_a_plot_without_alt_text(course_copy, tmp_path):
@@ -194,7 +206,8 @@ def test_the_build_refuses_a_plot_without_alt_text(course_copy, tmp_path):
 
     edit_notebook(course_copy / "lectures" / "03_samplers.ipynb", anonymous_plot)
     problems = build_problems(course_copy, tmp_path)
-    assert "lectures/03_samplers.ipynb: code cell" in problems and "stores a plot with no alt text" in problems
+    assert problems.startswith("lectures/03_samplers.ipynb: code cell") and "stores a plot with no alt text" in problems
+    assert len(problems.splitlines()) == 1, problems
 
 
 def test_the_build_refuses_a_dead_link_and_a_reference_to_no_section(course_copy, tmp_path):
@@ -206,6 +219,7 @@ def test_the_build_refuses_a_dead_link_and_a_reference_to_no_section(course_copy
     problems = build_problems(course_copy, tmp_path)
     assert "link to ../labs/lab99.py: no such file" in problems
     assert "'lecture 4 §9.9' names no section" in problems
+    assert len(problems.splitlines()) == 2, problems
 
 
 def test_the_html_check_finds_each_kind_of_broken_page(site, tmp_path):
