@@ -33,7 +33,7 @@ script's learning-rate schedule for that global batch. Thirteen checks, one line
    1 data-split      in every epoch the ranks read disjoint shares that cover the training set
    2 epoch-shuffle   epoch 1 reads the samples in a new order
    3 equal-replicas  both ranks hold the same weights before every optimizer step
-   4 global-gradient every backward adds its micro-batch's mean-loss gradient / K to a .grad that
+   4 global-gradient every backward adds its micro-batch's mean-loss gradient / k to a .grad that
                      started empty, the all-reducing one averaged over ranks; after 3 steps the weights
                      are one process's on the same global batches (AdamW, schedule and clipping included)
    5 checkpoint      rank 0 alone writes --save (directly, or atomically: a temporary file renamed onto it);
@@ -45,7 +45,7 @@ script's learning-rate schedule for that global batch. Thirteen checks, one line
                      averaged gradient's norm, equal on both ranks, scaled as torch scales it
    9 lr-schedule     every rank's learning rate equals one process's at every optimizer step (its peak
                      --lr, or --lr x N or x sqrt(N): lecture 1's scaling rules)
-  10 accumulation    every optimizer step runs K micro-batches and all-reduces once: only the last
+  10 accumulation    every optimizer step runs k micro-batches and all-reduces once: only the last
                      one's backward synchronises (the others run under no_sync())
   11 printed-loss    one rank prints the loss, and what it prints is the job's: the mean over every
                      rank's samples since the last line, within half a unit of its last printed digit
@@ -79,6 +79,11 @@ What it cannot see:
   only when it is not (2.7e-3); the mean of the two ranks' accuracies instead of their summed counts
   differs from the job's by |a0 - a1|/(2 x 359), below 1.4e-3 for any a0, a1, so it always passes.
   Both are wrong all the same (more ranks or uneven slices make them visible).
+- a world size hard-coded as 2. The job runs on 2 ranks only, so a schedule length, a held-out
+  slice or a loss factor written for 2 (ceil(len(train) / (B x k x 2)), range(rank, n, 2)) gives
+  the right numbers here, and the 1438 training samples split evenly, so DistributedSampler's
+  padding never happens. Run your script on 3 processes too (torchrun --nproc_per_node=3) and
+  compare its printed accuracy and schedule with what this checker accepted.
 - gloo's abort at exit itself: the observer destroys a group the script left open and ends its
   processes with os._exit, so check 7 judges the causes instead: it records each
   destroy_process_group() and whether the rank's DDP model was still alive then, and whether the
@@ -133,7 +138,7 @@ CHECKS = {
     1: ("data-split", "give the DataLoader a DistributedSampler with the job-wide rank (RANK, or dist.get_rank()), never LOCAL_RANK, which starts at 0 again on every machine: in every epoch each rank must read its own share (lecture 3 section 1; lab 3 section 2)"),
     2: ("epoch-shuffle", "call sampler.set_epoch(epoch) before each epoch: the sampler shuffles with its seed plus the epoch number (lecture 3 section 3)"),
     3: ("equal-replicas", "DDP broadcasts rank 0's weights when it wraps the model (unless init_sync=False), then gives every rank the same averaged gradient; replicas that start apart never meet again (lecture 1 section 5.4)"),
-    4: ("global-gradient", "DDP's backward averages the gradients over ranks: back-propagate each micro-batch's mean loss / K as the one-process script does, no extra factor for the world size, and clear the gradients after each optimizer step (lecture 1 sections 2-3; lab 4)"),
+    4: ("global-gradient", "DDP's backward averages the gradients over ranks: back-propagate each micro-batch's mean loss / k as the one-process script does, no extra factor for the world size, and clear the gradients after each optimizer step (lecture 1 sections 2-3; lab 4)"),
     5: ("checkpoint", "save once, on rank 0 (ranks writing the same file race), the bare model's weights: model.module.state_dict() (or the model you wrapped), then a barrier (lab 3 section 4; lecture 6 section 4)"),
     6: ("job-metrics", "each rank scores only its part of the held-out set: all-reduce the counts (correct, seen) before printing the accuracy (lecture 3 section 5)"),
     7: ("clean-exit", "every rank must make the same collective calls in the same order (a collective inside `if rank == 0:` waits forever), and end with destroy_process_group(). A gloo job aborts at exit (terminate called without an active exception) when its process group outlives destroy_process_group(), for two causes: a DDP model still alive (return from the function that built it, or del it, then gc.collect() before destroy_process_group()), which this check observes, and torch.distributed.nn.functional first imported after init_process_group (import it before), which it cannot (the checker makes that import itself). labs/ddp_minimal.py marks both workarounds (lecture 1 section 4; lab 4)"),
@@ -257,7 +262,7 @@ class Reference:
         return parameters_to_vector(p.grad for p in self.model.parameters()).detach(), losses.detach()
 
     def step_gradient(self, step: int) -> torch.Tensor:
-        """One process's gradient for a step: the mean over ranks of each rank's micro-batch gradients / K."""
+        """One process's gradient for a step: the mean over ranks of each rank's micro-batch gradients / k."""
         per_rank = []
         for rank in range(WORLD_SIZE):
             count = len(self.steps[step][rank]["micro_batches"])
@@ -563,7 +568,7 @@ def check_clipping(obs, steps, reference, gradient_ok: bool) -> Verdict:
 
 # --- check 9: the learning-rate schedule ----------------------------------------------------------------
 def one_process_schedule(train_size: int, steps: int) -> list[float]:
-    """The starting script's learning rates for one process on the global batch (per step: world x batch x K samples)."""
+    """The starting script's learning rates for one process on the global batch (per step: world x batch x k samples)."""
     steps_per_epoch = math.ceil(train_size / (WORLD_SIZE * BATCH_SIZE * ACCUMULATION))
     total = EPOCHS * steps_per_epoch
     return [START.lr_at(step, total, WARMUP_STEPS, PEAK_LR) for step in range(steps)]

@@ -40,7 +40,12 @@ file as it was before lab 3's realistic exercise (35 tests: one launch of 15 row
 its own for lab 3's solution), back to back on this machine while the main job took 16.3-16.9 s:
 90.7 s and 95 CPU-s before, 82.6 s and 111 CPU-s here (27 Nov 2026, 20:02-20:06 UTC). A fixture
 cannot span two files here: pytest runs the files in alphabetical order, and a session fixture
-started by one file would overlap with the launches of the files in between. Each test waits only
+started by one file would overlap with the launches of the files in between. With the correct
+variants, the hand-written wrapper, the two check-7 mistakes (50 lab 3 runs instead of 30) and the
+spawn run of the learner's command, on this machine shared with other test runs (load average
+12-15 on 2 cores, 28 Nov 2026 15:05-15:50 UTC): 264 s wall and 180 CPU-s before (53 tests), 380 s
+wall and 243 CPU-s here (66 tests); the spawn run alone took 126-135 s of that, the checker on the
+solution (fork) 59 s. Each test waits only
 for its own job, and the in-process work (the bad command lines, judging the rows) runs while later
 jobs still run.
 
@@ -114,7 +119,7 @@ MISTAKES = {
         ("            if not last_of_step:\n                continue\n", "            scheduler.step()\n            if not last_of_step:\n                continue\n"),
         ("            optimizer.step()\n            scheduler.step()\n", "            optimizer.step()\n"),
     ]),
-    "no-no-sync": (10, [  # every micro-batch's backward all-reduces: the right gradient, K all-reduces per step
+    "no-no-sync": (10, [  # every micro-batch's backward all-reduces: the right gradient, k all-reduces per step
         ("            with nullcontext() if last_of_step else ddp_model.no_sync():", "            with nullcontext():"),
     ]),
     "rank0-loss": (11, [  # the loss is not all-reduced: rank 0 prints its own samples' loss
