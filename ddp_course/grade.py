@@ -28,7 +28,8 @@ launched for them, so the untouched starting files are graded in seconds and sco
 Each row: exercise, check, PASS / FAIL / BLOCKED, points and the reason. Every row that runs is worth
 one point. BLOCKED rows are worth none and do not count: a criterion that needs GPUs on a machine
 without them, or a check another one makes meaningless. The exit status is 0 only when every row
-that ran passed, 1 otherwise, 2 for a bad command line. The whole grading takes a few minutes on a
+that ran passed and every exercise graded had a row that ran (an exercise whose rows are all BLOCKED
+was not judged, so it did not pass), 1 otherwise, 2 for a bad command line. The whole grading takes a few minutes on a
 2-core CPU (it launches the labs' jobs one after another).
 """
 
@@ -433,7 +434,10 @@ def table(rows: list[Row]) -> str:
 def totals(rows: list[Row]) -> str:
     earned, possible = sum(r.points for r in rows), sum(r.max_points for r in rows)
     failed, blocked = sum(r.status == "FAIL" for r in rows), sum(r.status == "BLOCKED" for r in rows)
-    return f"total: {earned}/{possible} points; {failed} failed, {blocked} blocked (not counted)"
+    line = f"total: {earned}/{possible} points; {failed} failed, {blocked} blocked (not counted)"
+    if unjudged(rows):
+        line += f"; not passed: {', '.join(unjudged(rows))}, where no check could be decided (every row BLOCKED)"
+    return line
 
 
 def report(rows: list[Row], sources: Sources, seconds: float) -> dict:
@@ -445,9 +449,14 @@ def report(rows: list[Row], sources: Sources, seconds: float) -> dict:
     }  # fmt: skip
 
 
+def unjudged(rows: list[Row]) -> list[str]:
+    """The exercises none of whose rows ran (every row BLOCKED): nothing was judged, so nothing passed."""
+    return sorted({row.exercise for row in rows} - {row.exercise for row in rows if row.status != "BLOCKED"})
+
+
 def exit_status(rows: list[Row]) -> int:
-    """0 only when every row that ran passed (BLOCKED rows did not run)."""
-    return 0 if all(row.status in ("PASS", "BLOCKED") for row in rows) else 1
+    """0 only when every row that ran passed (BLOCKED rows did not run) and every exercise had a row that ran."""
+    return 0 if all(row.status in ("PASS", "BLOCKED") for row in rows) and not unjudged(rows) else 1
 
 
 def main(argv=None) -> int:

@@ -4,6 +4,7 @@
     python labs/lab3_convert_check.py             # checks labs/my_ddp.py (about half a minute)
     python labs/lab3_convert_check.py SCRIPT      # checks another file
     python labs/lab3_convert_check.py --show-output SCRIPT    # also prints what SCRIPT printed
+    python labs/lab3_convert_check.py --job-timeout-s 400 SCRIPT  # a slow machine: give the whole job longer
 
 What SCRIPT must keep from labs/train_realistic.py: its flags (the checker passes SCRIPT_ARGS, with
 --batch-size now per process, and --save <a temporary folder>/model.pt), DigitsNet and RandomShift,
@@ -32,37 +33,45 @@ script's learning-rate schedule for that global batch. Thirteen checks, one line
    1 data-split      in every epoch the ranks read disjoint shares that cover the training set
    2 epoch-shuffle   epoch 1 reads the samples in a new order
    3 equal-replicas  both ranks hold the same weights before every optimizer step
-   4 global-gradient every backward adds its micro-batch's mean-loss gradient / K to a .grad that
+   4 global-gradient every backward adds its micro-batch's mean-loss gradient / k to a .grad that
                      started empty, the all-reducing one averaged over ranks; after 3 steps the weights
                      are one process's on the same global batches (AdamW, schedule and clipping included)
-   5 checkpoint      rank 0 alone writes --save; a bare DigitsNet loads its "model" (no "module.")
+   5 checkpoint      rank 0 alone writes --save (directly, or atomically: a temporary file renamed onto it);
+                     a bare DigitsNet loads its "model" (no "module.")
    6 job-metrics     the last printed accuracy is the saved model's on the whole held-out set
-   7 clean-exit      every rank makes the same collective calls and the job exits with status 0
+   7 clean-exit      every rank makes the same collective calls, calls destroy_process_group() after its
+                     DDP model is gone, and the job exits with status 0
    8 clipping        one clip_grad_norm_ per optimizer step, after the all-reducing backward: the
                      averaged gradient's norm, equal on both ranks, scaled as torch scales it
-   9 lr-schedule     every rank's learning rate equals one process's at every optimizer step
-  10 accumulation    every optimizer step runs K micro-batches and all-reduces once: only the last
+   9 lr-schedule     every rank's learning rate equals one process's at every optimizer step (its peak
+                     --lr, or --lr x N or x sqrt(N): lecture 1's scaling rules)
+  10 accumulation    every optimizer step runs k micro-batches and all-reduces once: only the last
                      one's backward synchronises (the others run under no_sync())
   11 printed-loss    one rank prints the loss, and what it prints is the job's: the mean over every
                      rank's samples since the last line, within half a unit of its last printed digit
-  12 resume          the resumed run (every rank loads the checkpoint, with map_location) ends on the
-                     weights of the run that went straight through
-  13 batchnorm       every rank scores the held-out images with rank 0's BatchNorm statistics, the ones
-                     rank 0 saves (local statistics or SyncBatchNorm: either, consistently)
+  12 resume          in the resumed run every rank starts from the straight run's state at that step
+                     (weights, learning rate, optimizer state: loaded with map_location, or received from
+                     rank 0), and the run ends on the weights of the run that went straight through
+  13 batchnorm       the ranks that score the held-out images (all, or rank 0 alone) hold the same
+                     BatchNorm statistics when their pass ends, in the last pass the ones rank 0 saves
+                     (local statistics or SyncBatchNorm: either, consistently)
 
 Each line says PASS, FAIL with the evidence and a hint naming the concept and where the course
 teaches it, or BLOCKED with the reason the check could not be decided: the job died before it could
 be seen, or another check's failure already explains what this one would see (e.g. replicas that
-started apart cannot agree on an accuracy), or no rank trained a DDP model at all (a check that the
-unconverted script would pass by doing nothing does not PASS it). Exit status 0 only when all pass, 1 otherwise, 2 for a
-bad command line. A job that hangs is killed after JOB_TIMEOUT_S seconds.
+started apart cannot agree on an accuracy). A script that trains no DDP model at all (the
+one-process script, or a hand-written wrapper) FAILs check 4 with that one reason, and the checks
+it would pass by doing nothing are BLOCKED. Exit status 0 only when all pass, 1 otherwise, 2 for a
+bad command line. A job that hangs is killed after --job-timeout-s seconds (default JOB_TIMEOUT_S); a job that dies says
+with which exception.
 
 What it cannot see:
 - the GPU half of the script. The job runs on CPUs with gloo (no GPU is visible to it), so the
   device choice (cuda:LOCAL_RANK, torch.cuda.set_device, device_ids), NCCL, SyncBatchNorm (torch
   2.14 runs it on GPUs only: convert to it only where the device is a GPU) and tensors left on the
-  wrong device are never executed here. map_location is checked as an argument only. Read those
+  wrong device are never executed here. Read those
   lines against lecture 1's diff of labs/ddp_minimal.py, then run the script on a GPU machine.
+  map_location is checked as present only: the CPU cannot show which device it names.
 - check 6 barely sees two mistakes the course warns about, because on 2 ranks they change the
   printed number by less than the tolerance of half an image in 359 (0.5/359 = 1.4e-3): a
   DistributedSampler on the held-out set pads it to 360 with one repeated image, which moves the
@@ -70,9 +79,17 @@ What it cannot see:
   only when it is not (2.7e-3); the mean of the two ranks' accuracies instead of their summed counts
   differs from the job's by |a0 - a1|/(2 x 359), below 1.4e-3 for any a0, a1, so it always passes.
   Both are wrong all the same (more ranks or uneven slices make them visible).
-- check 7's clean exit: the observer imports torch.distributed.nn.functional before SCRIPT runs
-  (labs/lab4_observe.py says why), so only the script's own cause of gloo's abort at exit (a DDP
-  model still alive at destroy_process_group()) can fail it; the hint names both causes.
+- a world size hard-coded as 2. The job runs on 2 ranks only, so a schedule length, a held-out
+  slice or a loss factor written for 2 (ceil(len(train) / (B x k x 2)), range(rank, n, 2)) gives
+  the right numbers here, and the 1438 training samples split evenly, so DistributedSampler's
+  padding never happens. Run your script on 3 processes too (torchrun --nproc_per_node=3) and
+  compare its printed accuracy and schedule with what this checker accepted.
+- gloo's abort at exit itself: the observer destroys a group the script left open and ends its
+  processes with os._exit, so check 7 judges the causes instead: it records each
+  destroy_process_group() and whether the rank's DDP model was still alive then, and whether the
+  script ended with its group open. The other cause (torch.distributed.nn.functional first imported
+  after init_process_group) it cannot see: the observer makes that import before SCRIPT runs
+  (labs/lab4_observe.py says why); the hint names both causes.
 """
 
 from __future__ import annotations
@@ -89,7 +106,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from ddp_course.cli import CourseArgumentParser
+from ddp_course.cli import CourseArgumentParser, positive_float
 from ddp_course.launch import REPO_ROOT, import_script
 
 # Lab 4's checker observes and judges some of what matters here; this file reuses its functions.
@@ -121,16 +138,16 @@ CHECKS = {
     1: ("data-split", "give the DataLoader a DistributedSampler with the job-wide rank (RANK, or dist.get_rank()), never LOCAL_RANK, which starts at 0 again on every machine: in every epoch each rank must read its own share (lecture 3 section 1; lab 3 section 2)"),
     2: ("epoch-shuffle", "call sampler.set_epoch(epoch) before each epoch: the sampler shuffles with its seed plus the epoch number (lecture 3 section 3)"),
     3: ("equal-replicas", "DDP broadcasts rank 0's weights when it wraps the model (unless init_sync=False), then gives every rank the same averaged gradient; replicas that start apart never meet again (lecture 1 section 5.4)"),
-    4: ("global-gradient", "DDP's backward averages the gradients over ranks: back-propagate each micro-batch's mean loss / K as the one-process script does, no extra factor for the world size, and clear the gradients after each optimizer step (lecture 1 sections 2-3; lab 4)"),
+    4: ("global-gradient", "DDP's backward averages the gradients over ranks: back-propagate each micro-batch's mean loss / k as the one-process script does, no extra factor for the world size, and clear the gradients after each optimizer step (lecture 1 sections 2-3; lab 4)"),
     5: ("checkpoint", "save once, on rank 0 (ranks writing the same file race), the bare model's weights: model.module.state_dict() (or the model you wrapped), then a barrier (lab 3 section 4; lecture 6 section 4)"),
     6: ("job-metrics", "each rank scores only its part of the held-out set: all-reduce the counts (correct, seen) before printing the accuracy (lecture 3 section 5)"),
-    7: ("clean-exit", "every rank must make the same collective calls in the same order (a collective inside `if rank == 0:` waits forever). A gloo job aborts at exit (terminate called without an active exception) when its process group outlives destroy_process_group(), for two causes: a DDP model still alive (return from the function that built it, or del it, then gc.collect() before destroy_process_group()), and torch.distributed.nn.functional first imported after init_process_group (import it before). labs/ddp_minimal.py marks both workarounds (lecture 1 section 4; lab 4)"),
+    7: ("clean-exit", "every rank must make the same collective calls in the same order (a collective inside `if rank == 0:` waits forever), and end with destroy_process_group(). A gloo job aborts at exit (terminate called without an active exception) when its process group outlives destroy_process_group(), for two causes: a DDP model still alive (return from the function that built it, or del it, then gc.collect() before destroy_process_group()), which this check observes, and torch.distributed.nn.functional first imported after init_process_group (import it before), which it cannot (the checker makes that import itself). labs/ddp_minimal.py marks both workarounds (lecture 1 section 4; lab 4)"),
     8: ("clipping", "clip once per optimizer step, after the backward that all-reduces (the last micro-batch's): then clip_grad_norm_ sees the averaged gradient, and every rank computes the same norm; clipping earlier clips each rank's own partial gradient with its own norm (lecture 4 section 4.1)"),
-    9: ("lr-schedule", "step the scheduler once per optimizer step, and count the schedule's steps from what this rank runs: len(train_loader) / accumulation per epoch, which the DistributedSampler already divides by the world size (lecture 1 section 8)"),
+    9: ("lr-schedule", "step the scheduler once per optimizer step, and count the schedule's steps from what this rank runs: len(train_loader) / accumulation per epoch, which the DistributedSampler already divides by the world size; the peak may be --lr, or --lr scaled by N or sqrt(N), the schedule's shape stays one process's (lecture 1 section 8)"),
     10: ("accumulation", "run every micro-batch but a step's last under ddp_model.no_sync(): their gradients stay local and add up in .grad, and the last backward all-reduces the sum, once per optimizer step (lab 3 section 3; lecture 5a section 8)"),
     11: ("printed-loss", "all-reduce [sum of per-sample losses, samples] over the ranks, then print on rank 0 alone: each rank only sees its own shard's loss (lab 3 section 2, job-wide numbers)"),
-    12: ("resume", "every rank loads the checkpoint rank 0 wrote (model, optimizer and scheduler), with map_location=its device, before training goes on; loading on rank 0 alone leaves the other ranks' optimizer and schedule at their start (lab 3 section 4; lecture 6 section 4)"),
-    13: ("batchnorm", "BatchNorm's running statistics are each rank's own (DDP only copies rank 0's at each training forward): before evaluating and saving, give every rank rank 0's (dist.broadcast each buffer), or use SyncBatchNorm on GPUs, so the model that is scored is the one that is saved (lecture 1 section 5.2; lecture 4 section 2.7)"),
+    12: ("resume", "every rank must go on from the checkpoint rank 0 wrote (model, optimizer and scheduler): each rank loads it with map_location=its device, or rank 0 loads it and broadcasts it (broadcast_object_list); loading on rank 0 alone leaves the other ranks' optimizer and schedule at their start (lab 3 section 4; lecture 6 section 4)"),
+    13: ("batchnorm", "BatchNorm's running statistics are each rank's own: DDP copies rank 0's buffers only at the first forward through the DDP model after a synchronised one, whatever the mode (not inside no_sync()), so the bare model (model.module) keeps its own. Score with the model rank 0 saves: evaluate through the DDP model, or give every rank rank 0's buffers first (dist.broadcast each), or let rank 0 alone score the whole held-out set; SyncBatchNorm on GPUs (lecture 1 section 5.2; lecture 4 section 2.7)"),
 }  # fmt: skip
 # The held-out accuracy the script printed: the first decimal number (or number followed by %) after "accuracy".
 ACCURACY = re.compile(r"accuracy.*?(\d+\.\d+|\d+(?=\s*%))(\s*%)?", re.IGNORECASE)
@@ -180,9 +197,9 @@ def runs(script: Path, out_dir: Path) -> list[dict]:
     ]  # fmt: skip
 
 
-def observe(script: Path, out_dir: Path) -> tuple:
-    """(straight, resumed) Observations of one launch of the two runs."""
-    observed = lab4.observe_runs(runs(script, out_dir), out_dir, JOB_TIMEOUT_S, nodes=NODES)
+def observe(script: Path, out_dir: Path, timeout_s: float = JOB_TIMEOUT_S) -> tuple:
+    """(straight, resumed) Observations of one launch of the two runs, killed after timeout_s."""
+    observed = lab4.observe_runs(runs(script, out_dir), out_dir, timeout_s, nodes=NODES)
     return observed["straight"], observed["resumed"]
 
 
@@ -245,7 +262,7 @@ class Reference:
         return parameters_to_vector(p.grad for p in self.model.parameters()).detach(), losses.detach()
 
     def step_gradient(self, step: int) -> torch.Tensor:
-        """One process's gradient for a step: the mean over ranks of each rank's micro-batch gradients / K."""
+        """One process's gradient for a step: the mean over ranks of each rank's micro-batch gradients / k."""
         per_rank = []
         for rank in range(WORLD_SIZE):
             count = len(self.steps[step][rank]["micro_batches"])
@@ -489,15 +506,28 @@ def check_clean_exit(obs) -> Verdict:
         # Lab 4's scripts take --timeout-s; a script here sets its process group's timeout itself.
         return Verdict(7, "FAIL", collectives.evidence.replace("until --timeout-s", "until their process group's timeout"))
     if not obs.finished:
-        evidence = f"the job {obs.ended()}"
-        if obs.run.aborted_at_exit:
-            evidence += (
-                ": a rank aborted at exit (terminate called without an active exception), the sign of a DDP model still alive "
-                "when the process group was destroyed (the observer imported torch.distributed.nn.functional before your script, "
-                "which rules out the other cause here)"
-            )  # fmt: skip
-        return Verdict(7, "FAIL", evidence)
-    return Verdict(7, "PASS", f"{collectives.evidence} with exit status 0")
+        return Verdict(7, "FAIL", f"the job {obs.ended()}")
+    if problem := teardown_problem(obs):
+        return Verdict(7, "FAIL", problem)
+    return Verdict(7, "PASS", f"{collectives.evidence} with exit status 0; every rank destroyed its process group after its DDP model was gone")
+
+
+def teardown_problem(obs) -> str | None:
+    """How a rank left its process group in a way that can make gloo abort at exit, or None.
+
+    The observer records each destroy_process_group() and whether the rank's DDP model was still alive
+    then, and whether the group was still open when the script ended (it then destroys the group itself,
+    and its processes end with os._exit: the abort would not happen here, so it is judged from these)."""
+    for rank in range(WORLD_SIZE):
+        events = obs.events.get(rank, [])
+        alive = next((e for e in events if e["kind"] == "destroy" and e["default_group"] and e["ddp_model_alive"]), None)
+        if alive:
+            return (f"rank {rank} called destroy_process_group() while its DDP model was still alive (kept by a variable, or by "
+                    "DDP's reference cycles that only gc.collect() frees): its process group outlives destroy, and gloo can abort "
+                    "at exit (terminate called without an active exception)")  # fmt: skip
+        if any(e["kind"] == "exit" and e.get("group_open") for e in events):
+            return f"rank {rank}'s script ended with its process group still open: call destroy_process_group() at the end (after gc.collect())"
+    return None
 
 
 # --- check 8: clipping ----------------------------------------------------------------------------------
@@ -538,24 +568,40 @@ def check_clipping(obs, steps, reference, gradient_ok: bool) -> Verdict:
 
 # --- check 9: the learning-rate schedule ----------------------------------------------------------------
 def one_process_schedule(train_size: int, steps: int) -> list[float]:
-    """The starting script's learning rates for one process on the global batch (per step: world x batch x K samples)."""
+    """The starting script's learning rates for one process on the global batch (per step: world x batch x k samples)."""
     steps_per_epoch = math.ceil(train_size / (WORLD_SIZE * BATCH_SIZE * ACCUMULATION))
     total = EPOCHS * steps_per_epoch
     return [START.lr_at(step, total, WARMUP_STEPS, PEAK_LR) for step in range(steps)]
 
 
+# The peak learning rate a conversion may choose: --lr as it is, or scaled with the global batch by
+# lecture 1's rules (section 8): linearly (SGD) or by the square root (Adam). The schedule's shape must be one process's.
+LR_SCALINGS = {"--lr": lambda n: 1.0, "--lr x N (linear scaling)": lambda n: float(n), "--lr x sqrt(N) (square-root scaling)": math.sqrt}
+
+
+def lr_scaling(steps, expected: list[float]) -> tuple[float, str]:
+    """(factor, its name): the scaling of --lr that rank 0's first learning rate shows; (1, '--lr') when none fits."""
+    first = steps[0][0]["optimizer"]["groups"][0]["settings"].get("lr")
+    for name, rule in LR_SCALINGS.items():
+        factor = rule(WORLD_SIZE)
+        if isinstance(first, float) and abs(first - factor * expected[0]) <= 1e-9 * factor * PEAK_LR:
+            return factor, name
+    return 1.0, "--lr"
+
+
 def check_lr_schedule(obs, steps, train_size: int) -> Verdict:
     if not steps:
         return Verdict(9, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
-    expected = one_process_schedule(train_size, len(steps))
+    factor, peak = lr_scaling(steps, one_process_schedule(train_size, 1))
+    expected = [factor * lr for lr in one_process_schedule(train_size, len(steps))]
     for number, records in enumerate(steps, start=1):
         for rank, record in records.items():
             lr = record["optimizer"]["groups"][0]["settings"].get("lr")
-            if not isinstance(lr, float) or abs(lr - expected[number - 1]) > 1e-9 * PEAK_LR:
+            if not isinstance(lr, float) or abs(lr - expected[number - 1]) > 1e-9 * factor * PEAK_LR:
                 shown = ", ".join(f"{r[rank]['optimizer']['groups'][0]['settings'].get('lr', float('nan')):.2e}" for r in steps[:6])
                 wanted = ", ".join(f"{value:.2e}" for value in expected[:6])
                 return Verdict(9, "FAIL", f"rank {rank}'s learning rate at optimizer step {number} is {lr:.3e}, one process's is {expected[number - 1]:.3e} (steps 1-6: {shown}; one process: {wanted})")
-    return Verdict(9, "PASS", f"at each of the {len(steps)} optimizer steps both ranks' learning rate is one process's on the global batch (warm-up over {WARMUP_STEPS} steps to {PEAK_LR:g}, then a cosine)")
+    return Verdict(9, "PASS", f"at each of the {len(steps)} optimizer steps every rank's learning rate is one process's schedule on the global batch (warm-up over {WARMUP_STEPS} steps to the peak {peak} = {factor * PEAK_LR:.3g}, then a cosine)")
 
 
 # --- check 10: accumulation -----------------------------------------------------------------------------
@@ -572,7 +618,7 @@ def check_accumulation(obs, steps) -> Verdict:
             if forwards["synced"] + forwards["unsynced"] == 0:
                 return Verdict(10, "BLOCKED", "no forward of a DistributedDataParallel model was seen: no all-reduce to count")
             if forwards["synced"] != 1:
-                return Verdict(10, "FAIL", f"in optimizer step {number} rank {rank} ran {forwards['synced']} backward passes that all-reduce (of {count} micro-batches): {forwards['synced']} all-reduces for one optimizer step")
+                return Verdict(10, "FAIL", f"in optimizer step {number} rank {rank} ran {forwards['synced']} backward passes that all-reduce (of {count} micro-batches): the gradient is correct (check 4), but it costs {forwards['synced']} x the communication of one all-reduce per optimizer step")
             if not record["micro_batches"][-1]["synced"]:
                 return Verdict(10, "FAIL", f"in optimizer step {number} the all-reducing backward on rank {rank} was not the last micro-batch's: the later ones' gradients stayed local")
     return Verdict(10, "PASS", f"every optimizer step ran {ACCUMULATION} micro-batches on each rank and only the last one's backward all-reduced: {len(steps)} all-reduces for {len(steps)} optimizer steps ({micro_batches} micro-batches per rank)")
@@ -610,7 +656,29 @@ def check_printed_loss(obs, steps, reference) -> Verdict:
 
 
 # --- check 12: resume -----------------------------------------------------------------------------------
-def check_resume(straight, resumed, replicas_ok: bool) -> Verdict:
+def steps_before_resume(obs) -> int:
+    """How many optimizer steps rank 0 of the straight run made before the epoch the resumed run starts with."""
+    return sum(e["kind"] == "step" and e["epoch"] < RESUME_AFTER_EPOCH for e in obs.events.get(0, []))
+
+
+def resumed_state_differs(straight_record: dict, resumed_record: dict) -> str | None:
+    """What differs between a rank's first resumed step and the straight run's step at the same point, or None."""
+    weights = lab4.relative(straight_record["params"], resumed_record["params"])
+    if weights > REPLICA_TOLERANCE:
+        return f"other weights than the straight run's (relative difference {weights:.1e})"
+    lrs = [record["optimizer"]["groups"][0]["settings"].get("lr") for record in (straight_record, resumed_record)]
+    if lrs[0] != lrs[1] and not (isinstance(lrs[0], float) and isinstance(lrs[1], float) and abs(lrs[0] - lrs[1]) <= 1e-9 * abs(lrs[0])):
+        return f"the learning rate {lrs[1]:.3e}, not the straight run's {lrs[0]:.3e} (the scheduler's state)"
+    norms = [record.get("optimizer_state_norm", 0.0) for record in (straight_record, resumed_record)]
+    if abs(norms[0] - norms[1]) > REPLICA_TOLERANCE * max(norms[0], 1e-12):
+        return f"another optimizer state than the straight run's (its norm {norms[1]:.4g}, not {norms[0]:.4g}: AdamW's moments and step counts)"
+    return None
+
+
+def check_resume(straight, resumed, replicas_ok: bool, straight_steps=None) -> Verdict:
+    """Every rank's first step of the resumed run starts from the state the straight run had at that point
+    (weights, learning rate, optimizer state), however the state got there (each rank's torch.load, or rank
+    0's load and a broadcast), and the resumed run ends on the straight run's weights."""
     if not straight.finished:
         return Verdict(12, "BLOCKED", f"the first run {straight.ended()}, so no second run resumed from it")
     if not first_checkpoint(straight.out_dir).exists():
@@ -624,12 +692,26 @@ def check_resume(straight, resumed, replicas_ok: bool) -> Verdict:
     if not resumed.finished:
         return Verdict(12, "FAIL", f"the run with --resume {resumed.ended()}")
     target = str((resumed.out_dir / "model.pt").resolve())
+    loaded = []
     for rank in range(WORLD_SIZE):
         loads = [e for e in resumed.events.get(rank, []) if e["kind"] == "load" and e["path"] == target]
-        if not loads:
-            return Verdict(12, "FAIL", f"rank {rank} never loaded the checkpoint: only the ranks that load it go on from it (its optimizer and schedule state too)")
-        if loads[0]["map_location"] is None:
+        if loads and loads[0]["map_location"] is None:
             return Verdict(12, "FAIL", f"rank {rank} loaded the checkpoint without map_location: on GPUs every rank would put the tensors saved from cuda:0 on cuda:0 (the CPU cannot show it; the checker reads the argument)")
+        loaded += [rank] if loads else []
+    straight_steps = recorded_steps(straight) if straight_steps is None else straight_steps
+    resumed_steps, before = recorded_steps(resumed), steps_before_resume(straight)
+    if not resumed_steps:
+        return Verdict(12, "FAIL", "the run with --resume made no optimizer step on every rank")
+    if len(straight_steps) <= before:
+        return Verdict(12, "BLOCKED", f"the straight run recorded no step after epoch {RESUME_AFTER_EPOCH} to compare the resumed run with")
+    # Step by step: a scheduler that was not restored still starts at the saved learning rate (the
+    # optimizer's state holds it), and shows only at the resumed run's second step.
+    for number, (records, straight_records) in enumerate(zip(resumed_steps, straight_steps[before:]), start=before + 1):
+        for rank in range(WORLD_SIZE):
+            differs = resumed_state_differs(straight_records[rank], records[rank])
+            if differs:
+                how = "loaded the checkpoint" if rank in loaded else "never loaded the checkpoint (and was not sent its contents)"
+                return Verdict(12, "FAIL", f"rank {rank} {how}, but at optimizer step {number} the resumed run had {differs}: every rank must go on from rank 0's file, model, optimizer and scheduler")
     straight_state, problem = load_checkpoint(straight.out_dir / "model.pt")
     resumed_state, problem_resumed = load_checkpoint(resumed.out_dir / "model.pt")
     if problem or problem_resumed:
@@ -637,30 +719,63 @@ def check_resume(straight, resumed, replicas_ok: bool) -> Verdict:
     difference = max(lab4.relative(straight_state[name].double(), resumed_state[name].double()) for name in straight_state if straight_state[name].is_floating_point())
     if difference > REPLICA_TOLERANCE:
         return Verdict(12, "FAIL", f"resumed after epoch {RESUME_AFTER_EPOCH}, the run ends on other weights than the run that went straight through (relative difference {difference:.1e})")
-    return Verdict(12, "PASS", f"every rank loaded rank 0's checkpoint of epoch {RESUME_AFTER_EPOCH} (with map_location), and the resumed run ended on the straight run's weights (relative difference {difference:.0e})")
+    received = [rank for rank in range(WORLD_SIZE) if rank not in loaded]
+    how = f"rank{'s' if len(loaded) > 1 else ''} {' and '.join(map(str, loaded))} loaded rank 0's checkpoint of epoch {RESUME_AFTER_EPOCH} (map_location given: checked as present only, the CPU cannot show which device it names)"
+    if received:
+        how += f", rank{'s' if len(received) > 1 else ''} {' and '.join(map(str, received))} received its contents"
+    return Verdict(12, "PASS", f"{how}; at each optimizer step from step {before + 1} on, every rank had the straight run's weights, learning rate and optimizer state, and the run ended on the straight run's weights (relative difference {difference:.0e})")
 
 
 # --- check 13: BatchNorm's buffers ----------------------------------------------------------------------
-def check_batchnorm(obs) -> Verdict:
-    passes = {rank: [e for e in obs.events.get(rank, []) if e["kind"] == "buffers"] for rank in range(WORLD_SIZE)}
-    if not passes[0] or not passes[1]:
+def buffer_difference(mine: dict, theirs: dict) -> tuple[str, float] | None:
+    """(the first buffer that differs, its relative difference) between two {name: values}, or None."""
+    for name, values in mine.items():
+        if name not in theirs:
+            continue
+        off = lab4.relative(torch.tensor(values), torch.tensor(theirs[name]))
+        if off > REPLICA_TOLERANCE:
+            return name, off
+    return None
+
+
+def check_batchnorm(obs, saved_weights: dict | None = None) -> Verdict:
+    """The model that scored the held-out images is the one rank 0 saves: in each held-out pass every rank
+    that scored (one rank, or all of them) held the same BatchNorm statistics when its pass ended, and in
+    the last pass they are the ones in the checkpoint at --save."""
+    by_pass: dict[int, dict[int, dict]] = {}
+    for rank in range(WORLD_SIZE):
+        for event in obs.events.get(rank, []):
+            if event["kind"] == "buffers":
+                by_pass.setdefault(event["epoch"], {})[rank] = event["buffers"]
+    if not by_pass:
         if not obs.finished:
-            return Verdict(13, "BLOCKED", f"no held-out pass of a DDP model was seen on every rank: the job {obs.ended()}")
-        return Verdict(13, "BLOCKED", "no held-out pass over a DistributedDataParallel model's buffers was seen")
-    for mine, theirs in zip(passes[0], passes[1]):
-        for name, values in mine["buffers"].items():
-            other = theirs["buffers"].get(name)
-            if other is None or lab4.relative(torch.tensor(values), torch.tensor(other)) > REPLICA_TOLERANCE:
-                off = 1.0 if other is None else lab4.relative(torch.tensor(values), torch.tensor(other))
-                return Verdict(13, "FAIL", f"in held-out pass {mine['epoch']} rank 1 scored with other BatchNorm statistics than rank 0, which are the ones rank 0 saves ({name}: relative difference {off:.1e}): the ranks scored different models")
-    names = [name for name in passes[0][0]["buffers"] if "running" in name]
-    return Verdict(13, "PASS", f"in each of the {len(passes[0])} held-out passes both ranks scored with rank 0's BatchNorm statistics ({len(names)} running buffers), the ones rank 0 saves")
+            return Verdict(13, "BLOCKED", f"no held-out pass of a DDP model was seen: the job {obs.ended()}")
+        return Verdict(13, "BLOCKED", "no pass over the held-out digits was seen while a DistributedDataParallel model existed")
+    for number, scored in sorted(by_pass.items()):
+        first = min(scored)
+        for rank, buffers in sorted(scored.items()):
+            different = buffer_difference(scored[first], buffers)
+            if different:
+                name, off = different
+                saves = ", which are the ones rank 0 saves" if first == 0 else ""
+                return Verdict(13, "FAIL", f"in held-out pass {number} rank {rank} scored with other BatchNorm statistics than rank {first}{saves} ({name}: relative difference {off:.1e}): the ranks scored different models")
+    last = by_pass[max(by_pass)]
+    scorers = " and ".join(map(str, sorted(last)))
+    if saved_weights is not None:
+        saved = {name: value.reshape(-1).double().tolist() for name, value in saved_weights.items() if "running" in name}
+        different = buffer_difference(last[min(last)], saved)
+        if different:
+            name, off = different
+            return Verdict(13, "FAIL", f"the last held-out pass (rank {scorers}) scored with other BatchNorm statistics than the checkpoint at --save holds ({name}: relative difference {off:.1e}): the printed accuracy is not the saved model's")
+    names = [name for name in last[min(last)] if "running" in name]
+    who = f"rank {scorers} scored" if len(last) == 1 else f"ranks {scorers} all scored"
+    return Verdict(13, "PASS", f"in each of the {len(by_pass)} held-out passes {who} with the same BatchNorm statistics ({len(names)} running buffers), in the last the ones rank 0 saves")
 
 
 # --- all checks -----------------------------------------------------------------------------------------
-def check(script: Path, out_dir: Path):
+def check(script: Path, out_dir: Path, job_timeout_s: float = JOB_TIMEOUT_S):
     """Run script under observation (two runs, one launch) and decide the checks, in order."""
-    straight, resumed = observe(script, out_dir)
+    straight, resumed = observe(script, out_dir, job_timeout_s)
     return (straight, resumed), judge(straight, resumed)
 
 
@@ -679,9 +794,13 @@ def judge(straight, resumed) -> list[Verdict]:
 
 # A script that trains no DDP model passes some checks by doing nothing: with the same seed on every rank
 # its replicas agree, its clean exit makes no collective, it clips and reshuffles as the one-process
-# script did. Those PASSes would score the starting script, so without DDP they become BLOCKED.
-NOT_CONVERTED = ("no rank trained a DistributedDataParallel model: each rank ran the one-process script on its own, "
-                 "so passing this check proves nothing yet (convert the script; checks 1, 4 and 5 say where to start)")
+# script did; a hand-written wrapper (lab 6's) even keeps the replicas equal while it sums gradients
+# without dividing. The checks read DDP's own behaviour, so without a DDP model check 4 FAILs with
+# that one reason, and every check that would have passed becomes BLOCKED.
+NOT_CONVERTED = ("no rank trained a torch.nn.parallel.DistributedDataParallel model (no forward of one before an optimizer step): "
+                 "the checks judge DDP's gradient averaging, so a script without it (the one-process script, or a hand-written wrapper) "
+                 "is not a conversion yet; wrap the model in DistributedDataParallel (checks 1 and 5 say where else to start)")
+NOT_CONVERTED_BLOCKED = "no rank trained a DistributedDataParallel model (check 4): passing this check proves nothing yet"
 
 
 def trained_ddp(steps) -> bool:
@@ -692,7 +811,10 @@ def trained_ddp(steps) -> bool:
 def judge_runs(straight, resumed) -> list[Verdict]:
     verdicts, steps = judge_each_check(straight, resumed), recorded_steps(straight)
     if steps and not trained_ddp(steps):
-        return [Verdict(v.number, "BLOCKED", NOT_CONVERTED) if v.status == "PASS" else v for v in verdicts]
+        return [
+            Verdict(4, "FAIL", NOT_CONVERTED) if v.number == 4 else Verdict(v.number, "BLOCKED", NOT_CONVERTED_BLOCKED) if v.status == "PASS" else v
+            for v in verdicts
+        ]
     return verdicts
 
 
@@ -707,7 +829,7 @@ def judge_each_check(straight, resumed) -> list[Verdict]:
     others = {3: replicas.status == "PASS", 8: clipping_first.status == "PASS", 9: schedule.status == "PASS"}
     gradient = check_global_gradient(straight, steps, reference, others)
     clipping = check_clipping(straight, steps, reference, gradient_ok=gradient.status == "PASS") if clipping_first.status == "PASS" else clipping_first
-    batchnorm = check_batchnorm(straight)
+    batchnorm = check_batchnorm(straight, weights)
     if replicas.status != "PASS" and steps:
         metrics_blocked = "the ranks' weights differ (check 3): no one model's accuracy is the job's"
     elif batchnorm.status == "FAIL":
@@ -726,7 +848,7 @@ def judge_each_check(straight, resumed) -> list[Verdict]:
         schedule,
         check_accumulation(straight, steps),
         check_printed_loss(straight, steps, reference),
-        check_resume(straight, resumed, replicas_ok=replicas.status != "FAIL"),
+        check_resume(straight, resumed, replicas_ok=replicas.status != "FAIL", straight_steps=steps),
         batchnorm,
     ]
 
@@ -748,6 +870,10 @@ def main(argv=None) -> int:
         help=f"your DDP script (default {DEFAULT_SCRIPT}); it must keep labs/train_realistic.py's flags, with --batch-size per process",
     )  # fmt: skip
     parser.add_argument("--show-output", action="store_true", help="also print the script's stdout and stderr")
+    parser.add_argument(
+        "--job-timeout-s", type=positive_float, default=JOB_TIMEOUT_S, metavar="SECONDS",
+        help=f"kill the whole job (both runs) after this many seconds (default {JOB_TIMEOUT_S}; more on a slow machine)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     script = Path(args.script)
     if not script.is_absolute() and not script.exists():
@@ -759,7 +885,7 @@ def main(argv=None) -> int:
     shown = " ".join([*SCRIPT_ARGS, "--save", "<temporary folder>/model.pt"])
     print(f"lab 3 conversion checker: {args.script} on {WORLD_SIZE} gloo ranks (two one-process nodes), {shown}; then again with --resume", flush=True)
     with tempfile.TemporaryDirectory(prefix="lab3_check_") as out_dir:
-        (straight, resumed), verdicts = check(script.resolve(), Path(out_dir))
+        (straight, resumed), verdicts = check(script.resolve(), Path(out_dir), args.job_timeout_s)
         if args.show_output:
             for name, obs in (("first run", straight), ("resumed run", resumed)):
                 print(f"--- the script's stdout, {name}\n{obs.run.stdout}--- its stderr\n{obs.run.stderr}--- end of the script's output")

@@ -126,7 +126,7 @@ class Observation:
 
 def failure_reason(stderr: str) -> str:
     """The script's own error line, or the first exception a rank printed."""
-    for pattern in (r"^\S+\.py: error: (.*)$", r"^\[rank\d+\]: (\w+(?:Error|Exception): .*)$", r"^(\w+(?:Error|Exception): .*)$"):
+    for pattern in (r"^\S+\.py: error: (.*)$", r"^\[rank\d+\]: ([\w.]+(?:Error|Exception): .*)$", r"^([\w.]+(?:Error|Exception): .*)$"):  # [\w.]: _pickle.PicklingError too
         found = [re.sub(r"^(\w+: )\[[^\]]*\]\s*", r"\1", line)[:200] for line in re.findall(pattern, stderr, flags=re.MULTILINE)]
         if found:  # a rank that timed out says why; its peer may only see the connection it left
             return next((line for line in found if "Timed out" in line), found[0])

@@ -9,24 +9,33 @@ OUT_DIR what it saw:
 
 - events-r<rank>.jsonl: every batch the script read from the digits train and held-out sets (the
   sample indices, and which pass over the data), every optimizer step, every collective called from
-  Python and what became of it, every torch.save and torch.load, and the BatchNorm buffers each
-  held-out pass starts with. One JSON object per line, flushed at once: a job that is killed still
-  leaves its evidence.
+  Python and what became of it, every torch.save and torch.load (to a path or an open file), every
+  os.replace/os.rename of a file torch.save wrote (an atomic write: recorded as a save of the
+  target), the BatchNorm buffers the DDP model holds when each held-out pass ends (the ones it
+  scored with: a forward through the DDP wrapper may have broadcast rank 0's at the pass's start),
+  each destroy_process_group() and whether the DDP model was still alive then, and whether the
+  script ended with its process group open. One JSON object per line, flushed at once: a job that
+  is killed still leaves its evidence.
 - step-r<rank>-<k>.pt: for the first GRADIENT_STEPS optimizer steps (LAB4_OBSERVE_STEPS=N records N;
   lab 3's checker records them all), the parameters and gradients the optimizer saw (flattened),
-  the optimizer's class and settings, this rank's last batch, and every micro-batch since the last
+  the optimizer's class, settings and the norm of its state, this rank's last batch, and every micro-batch since the last
   step: its samples and the tensors the DataLoader delivered (after any augmentation), whether DDP
   synchronised its backward (no_sync or not), and the gradients just before and after its
   backward(); plus every clip_grad_norm_ call of the step (the norm it returned, the gradients it
   was given and left) and how many DDP forwards did and did not synchronise. So a checker can
   recompute each gradient and replay the steps in one process.
 - a "save" event for every torch.save() the script makes (the file it wrote), so a checker can
-  tell which ranks wrote a checkpoint; with LAB4_OBSERVE_SNAPSHOTS=1, a copy of each file saved,
+  tell which ranks wrote a checkpoint; with LAB4_OBSERVE_SNAPSHOTS=1, a copy of what each save wrote,
   in saved/ (lab 3's checker resumes a second run from the first run's checkpoint of epoch 1).
 
 Batches are recorded where the DataLoader hands them to the script, in the script's own process,
 also when worker processes (num_workers > 0) load them: the sampler's indices are taken as the
-loader asks for them, in order, and matched with the batches it delivers, in the same order.
+loader asks for them, in order, and matched with the batches it delivers, in the same order. A
+worker started by spawn (macOS's and Windows' default) receives the recording dataset as the
+dataset it wraps: nothing of the observer has to be pickled or imported there.
+
+Some patched attributes are torch internals (PATCHED lists each with the parameters relied on):
+install() refuses to run, naming the difference, when a torch release removed or changed one.
 
 The script's load_digits() returns recording datasets. With LAB4_OBSERVE_DIGITS=FILE (the checker
 passes one) their tensors come from FILE, the checker's own copy of the same digits: the ranks then
@@ -69,8 +78,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import functools
 import gc
+import importlib
+import inspect
 import json
 import os
 import re
@@ -106,7 +118,59 @@ COLLECTIVES = (
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _torch_save = torch.save  # the observer's own files; install() makes torch.save record the script's saves
 _torch_load = torch.load
+_os_replace = os.replace  # the observer's own atomic writes; install() makes os.replace record the script's renames
+_destroy_process_group = dist.destroy_process_group  # the observer's own; install() makes the script's recorded
 COPY_WAIT_S = 60.0  # how long a rank waits for rank 0 to copy a run's files (--runs)
+# What install() replaces, with the leading parameters its replacements pass on or read. Some are torch's
+# private internals: a torch release that renames one or reorders its parameters would silently blind a
+# check, so install() refuses to run when check_torch_internals() finds a difference (and the tests fail).
+PATCHED = {
+    "torch.utils.data.DataLoader.__iter__": ["self"],
+    "torch.utils.data.dataloader._BaseDataLoaderIter._reset": ["self", "loader", "first_iter"],
+    "torch.utils.data.dataloader._BaseDataLoaderIter._next_index": ["self"],
+    "torch.utils.data.dataloader._BaseDataLoaderIter.__next__": ["self"],
+    "torch.Tensor.backward": ["self", "gradient", "retain_graph", "create_graph", "inputs"],
+    "torch.nn.parallel.DistributedDataParallel.__init__": ["self", "module"],
+    "torch.nn.parallel.DistributedDataParallel.forward": ["self", "inputs", "kwargs"],
+    "torch.nn.parallel.DistributedDataParallel.no_sync": ["self"],
+    "torch.nn.utils.clip_grad.clip_grad_norm_": ["parameters", "max_norm"],
+    "torch.optim.optimizer.register_optimizer_step_pre_hook": ["hook"],
+    "torch.save": ["obj", "f"],
+    "torch.load": ["f", "map_location"],
+    "torch.distributed.destroy_process_group": ["group"],
+}
+
+
+def _resolve(dotted: str):
+    """The object a dotted name such as torch.utils.data.DataLoader.__iter__ names (the longest importable module, then attributes)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            found = getattr(found, name)
+        return found
+    raise ImportError(dotted)
+
+
+def check_torch_internals(patched: dict | None = None) -> list[str]:
+    """What differs from PATCHED in this torch: a missing attribute, or leading parameters renamed or reordered."""
+    problems = []
+    for dotted, expected in (PATCHED if patched is None else patched).items():
+        try:
+            target = _resolve(dotted)
+        except (ImportError, AttributeError):
+            problems.append(f"{dotted} is gone")
+            continue
+        try:
+            names = list(inspect.signature(target).parameters)
+        except (TypeError, ValueError):  # a builtin without a signature: nothing to compare
+            continue
+        if names[: len(expected)] != expected:
+            problems.append(f"{dotted} takes ({', '.join(names)}), the observer expects ({', '.join(expected)}, ...)")
+    return problems
 
 
 class Recorder:
@@ -127,6 +191,7 @@ class Recorder:
         self.recorded_steps = int(os.environ.get("LAB4_OBSERVE_STEPS", GRADIENT_STEPS))
         self.snapshots = os.environ.get("LAB4_OBSERVE_SNAPSHOTS", "0") == "1"
         self.saves = 0
+        self.written: set[str] = set()  # files torch.save wrote in this run, resolved: a rename of one is a save too
         self.model = None  # a weak reference to the latest DDP model: never keep it alive (see the docstring)
         self.micro_batches: list[dict] = []  # since the last optimizer step, while steps are being recorded
         self.clips: list[dict] = []
@@ -218,6 +283,7 @@ class Recorder:
                     "missing_grads": [i for i, p in enumerate(params) if p.grad is None],
                     "batch": self.last_train_batch,
                     "optimizer": _optimizer_settings(optimizer),
+                    "optimizer_state_norm": _optimizer_state_norm(optimizer),  # before this step updates it
                     "micro_batches": self.micro_batches,
                     "clips": self.clips,
                     "forwards": dict(self.forwards),
@@ -225,32 +291,50 @@ class Recorder:
             _torch_save(record, self.out_dir / f"step-r{self.rank}-{self.steps}.pt")
         self.micro_batches, self.clips, self.forwards, self.backwards = [], [], {"synced": 0, "unsynced": 0}, 0
 
-    def saved(self, target) -> None:
-        path = os.fspath(target) if isinstance(target, (str, os.PathLike)) else getattr(target, "name", None)
-        self.emit(kind="save", path=str(Path(path).resolve()) if isinstance(path, str) else None, progress=self.progress,
-                  epoch=self.passes["train"], step=self.steps)  # fmt: skip
+    def saved(self, target, renamed_from: str | None = None) -> None:
+        """A torch.save to a path or an open file (its name); or a rename of a file torch.save wrote
+        (renamed_from): an atomic write saves a temporary file, then os.replace()s it onto its name."""
+        path = _path_of(target)
+        if path is not None:
+            self.written.add(path)
+        self.emit(kind="save", path=path, progress=self.progress, epoch=self.passes["train"], step=self.steps,
+                  **({"renamed_from": renamed_from} if renamed_from else {}))  # fmt: skip
 
-    def snapshot(self, target) -> None:
-        """A copy of a file the script just saved, as saved/<k>-r<rank>.pt (k counts this rank's saves)."""
-        if not self.snapshots or not isinstance(target, (str, os.PathLike)) or not os.path.isfile(target):
+    def renamed(self, source, target) -> None:
+        """os.replace/os.rename(source, target) has just happened: record it as a save if torch.save wrote source."""
+        source_path = _path_of(source) if self.written else None
+        if source_path in self.written:
+            self.written.discard(source_path)
+            self.saved(target, renamed_from=source_path)  # its snapshot was taken when torch.save wrote it
+
+    def snapshot(self, obj, target) -> None:
+        """A copy of what the script just saved to a file (a path or an open file), as saved/<k>-r<rank>.pt
+        (k counts this rank's saves). Serialised here, not copied from the file: on a script whose ranks
+        all write the same file, another rank may be rewriting it."""
+        if not self.snapshots or _path_of(target) is None:
             return
         self.saves += 1
         folder = self.out_dir / "saved"
         folder.mkdir(exist_ok=True)
-        shutil.copyfile(target, folder / f"{self.saves}-r{self.rank}.pt")
+        _torch_save(obj, folder / f"{self.saves}-r{self.rank}.pt")
 
     def loaded(self, target, map_location) -> None:
-        path = os.fspath(target) if isinstance(target, (str, os.PathLike)) else None
-        self.emit(kind="load", path=str(Path(path).resolve()) if path else None, map_location=None if map_location is None else repr(map_location),
-                  step=self.steps)  # fmt: skip
+        self.emit(kind="load", path=_path_of(target), map_location=None if map_location is None else repr(map_location), step=self.steps)
 
-    def held_out_pass(self) -> None:
-        """The BatchNorm buffers (running statistics) this rank's DDP model starts a held-out pass with."""
+    def held_out_pass_ended(self) -> None:
+        """The BatchNorm buffers (running statistics) this rank's DDP model held when a held-out pass ended:
+        the ones it scored with. Read at the end, not the start: a forward through the DDP wrapper, the
+        first after a synchronised one, broadcasts rank 0's buffers first (in eval mode too)."""
         model = self.model() if self.model is not None else None
         if model is None:
             return
         buffers = {name: b.detach().reshape(-1).double().cpu().tolist() for name, b in model.module.named_buffers()}
         self.emit(kind="buffers", epoch=self.passes["held_out"], train_epoch=self.passes["train"], step=self.steps, buffers=buffers)
+
+    def destroyed(self, group) -> None:
+        """destroy_process_group() is about to run: was this rank's DDP model still alive (gloo's abort at exit)?"""
+        alive = self.model is not None and self.model() is not None
+        self.emit(kind="destroy", default_group=group is None or group is dist.group.WORLD, ddp_model_alive=alive)
 
     # --- collectives ---------------------------------------------------------------------------
     def announce(self, op: str, what: str, site: str) -> dict:
@@ -333,6 +417,25 @@ class Recorder:
         temporary.unlink()
 
 
+def _path_of(target) -> str | None:
+    """The resolved path torch.save/torch.load/os.replace was given: a path, or an open file's name; None for a buffer."""
+    path = os.fspath(target) if isinstance(target, (str, os.PathLike)) else getattr(target, "name", None)
+    return str(Path(path).resolve()) if isinstance(path, str) else None
+
+
+def _optimizer_state_norm(optimizer) -> float:
+    """The norm of everything the optimizer keeps per parameter (AdamW's moments and step counts): equal on
+    two ranks only when both hold the same optimizer state."""
+    total = 0.0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                total += float(value.detach().double().pow(2).sum())
+            elif isinstance(value, (int, float)):
+                total += float(value) ** 2
+    return total**0.5
+
+
 def _flat_grad(param: torch.Tensor) -> torch.Tensor:
     if param.grad is None:
         return torch.zeros(param.numel())
@@ -357,7 +460,7 @@ def _optimizer_settings(optimizer) -> dict:
 def _write_json_atomically(path: Path, obj) -> None:
     temporary = path.with_name("." + path.name + ".tmp")
     temporary.write_text(json.dumps(obj))
-    os.replace(temporary, path)
+    _os_replace(temporary, path)
 
 
 def _read_json(path: Path):
@@ -393,6 +496,13 @@ class RecordingDataset(Dataset):
 
     def __getitems__(self, indices):  # what a DataLoader calls for a whole batch
         return [self.base[i] for i in indices]
+
+    def __reduce__(self):
+        # Sent to a DataLoader worker that is spawned (macOS's and Windows' default start method), it
+        # travels as the dataset it wraps (a copy of it, made by copy.copy, which the worker can import):
+        # the Recorder (an open file, a lock) stays here, and the worker needs no import of this file,
+        # which runs as __main__. The batches are recorded in this process anyway.
+        return copy.copy, (self.base,)
 
 
 class _Loading(threading.local):
@@ -452,6 +562,8 @@ class _SkippedWork:
 
 
 def install(recorder: Recorder) -> None:
+    if problems := check_torch_internals():
+        raise RuntimeError(f"labs/lab4_observe.py cannot observe with torch {torch.__version__}: {'; '.join(problems)}")
     original_load_digits = ddp_course.data.load_digits
     saved_digits = os.environ.get("LAB4_OBSERVE_DIGITS")
 
@@ -472,8 +584,6 @@ def install(recorder: Recorder) -> None:
         role, subsets = _role_of(loader.dataset)
         if role is not None:
             recorder.new_pass(role)
-            if role == "held_out":
-                recorder.held_out_pass()
         iterator = original_iter(loader)
         iterator._observed = (role, subsets)
         return iterator
@@ -488,12 +598,16 @@ def install(recorder: Recorder) -> None:
         return index
 
     def next_batch(iterator):
+        role, subsets = getattr(iterator, "_observed", (None, []))
         _LOADING.active = True
         try:
             batch = original_next(iterator)
+        except StopIteration:
+            if role == "held_out":
+                recorder.held_out_pass_ended()
+            raise
         finally:
             _LOADING.active = False
-        role, subsets = getattr(iterator, "_observed", (None, []))
         pending = iterator.__dict__.get("_observed_indices")
         if role is not None and pending:
             tensors = batch if isinstance(batch, (list, tuple)) else [batch]
@@ -571,7 +685,7 @@ def install(recorder: Recorder) -> None:
     def save(obj, f, *args, **kwargs):
         recorder.saved(f)
         result = _torch_save(obj, f, *args, **kwargs)
-        recorder.snapshot(f)
+        recorder.snapshot(obj, f)
         return result
 
     @functools.wraps(_torch_load)
@@ -580,6 +694,26 @@ def install(recorder: Recorder) -> None:
         return _torch_load(f, *args, **kwargs)
 
     torch.save, torch.load = save, load
+
+    # An atomic write (ddp_course.checkpoint.atomic_save, lecture 6): torch.save to a temporary file, then a rename.
+    for name in ("replace", "rename"):
+        original_rename = getattr(os, name)
+
+        def rename(source, target, *args, _original=original_rename, **kwargs):
+            result = _original(source, target, *args, **kwargs)
+            recorder.renamed(source, target)
+            return result
+
+        setattr(os, name, functools.wraps(original_rename)(rename))
+
+    original_destroy = dist.destroy_process_group
+
+    @functools.wraps(original_destroy)
+    def destroy_process_group(group=None):
+        recorder.destroyed(group)
+        return original_destroy(group)
+
+    dist.destroy_process_group = destroy_process_group
 
 
 class CurrentRecorder:
@@ -640,12 +774,13 @@ def run_one(proxy: CurrentRecorder, run: dict, rank: int, world_size: int) -> in
             except BaseException:
                 traceback.print_exc()
             finally:
-                recorder.emit(kind="exit", status=status)
+                # group_open: the script left without destroy_process_group() (the observer destroys it below)
+                recorder.emit(kind="exit", status=status, group_open=dist.is_initialized())
                 recorder.write_state(finished=True)
                 recorder.events.close()
     gc.collect()  # DDP's reference cycles would keep the run's group alive (ddp_course/distributed.py)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if dist.is_initialized():  # the script left its group open (its exit event says so)
+        _destroy_process_group()
     # What survived is the process's lasting state (torch, its compiled-in modules, torch._dynamo that
     # DDP imported): move it out of the collector's sight, so that every later gc.collect() (the next
     # script's, and the line above) scans only what the next run creates: 0.27 s less per call here.
@@ -694,7 +829,7 @@ def main(argv: list[str]) -> int:
         status = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
         raise
     finally:
-        recorder.emit(kind="exit", status=status)
+        recorder.emit(kind="exit", status=status, group_open=dist.is_initialized())
         recorder.write_state(finished=True)
     return status
 

@@ -186,7 +186,8 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
             with nullcontext() if last_of_step else ddp_model.no_sync():
                 loss = F.cross_entropy(ddp_model(images), labels)  # the mean over this micro-batch
                 (loss / args.accumulation).backward()
-            running += torch.stack([loss.detach().double() * len(labels), torch.tensor(float(len(labels)), dtype=torch.float64, device=device)])
+            running[0] += loss.detach().double() * len(labels)
+            running[1] += len(labels)
             if not last_of_step:
                 continue
             clip_grad_norm_(ddp_model.parameters(), args.clip_norm)  # DDP: the averaged gradient's norm, equal on every rank
@@ -202,7 +203,9 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
         # DDP: BatchNorm's running statistics are each rank's own: score and save rank 0's everywhere.
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
-        counts = evaluate(model, test_loader, device)  # DDP: the bare model (DDP's forward would sync buffers)
+        # DDP: the bare model. Through ddp_model the first forward after a synchronised one would copy rank 0's
+        # buffers too (in eval mode as well); the bare model never does, so the broadcast above is what makes them equal.
+        counts = evaluate(model, test_loader, device)
         dist.all_reduce(counts)  # DDP: each rank scored its slice; the job's accuracy counts them all
         correct, total = int(counts[0]), int(counts[1])
         if rank == 0:

@@ -48,6 +48,17 @@ def test_points_count_what_ran_and_the_exit_status_needs_every_row_that_ran_to_p
                                  "reason": "needs GPUs", "points": 0, "max_points": 0}  # fmt: skip
 
 
+def test_an_exercise_whose_rows_are_all_blocked_was_not_judged_and_did_not_pass():
+    """A lab 3 script that no check could decide (e.g. 13 BLOCKED) earns no 'passed' and exit status 1 (review 2026-11-28, finding 9)."""
+    rows = [Row("lecture1", "exercise 1", "PASS", "correct"),
+            *(Row("lab3", f"{n} check", "BLOCKED", "undecided") for n in range(1, 14)),
+            Row("lab3", "the script on GPUs (NCCL, cuda:LOCAL_RANK)", "BLOCKED", "needs GPUs")]  # fmt: skip
+    assert grade.unjudged(rows) == ["lab3"]
+    assert grade.exit_status(rows) == 1
+    assert grade.report(rows, grade.Sources(), 1.0)["passed"] is False
+    assert grade.totals(rows) == "total: 1/1 points; 0 failed, 14 blocked (not counted); not passed: lab3, where no check could be decided (every row BLOCKED)"
+
+
 def test_main_prints_the_table_writes_the_same_rows_as_json_and_exits_with_their_status(tmp_path, monkeypatch, capsys):
     failing = [*fake_rows(), Row("lab4", "5 collectives", "FAIL", "unmatched")]
     monkeypatch.setattr(grade, "grade", lambda sources, only=None: failing)
