@@ -53,6 +53,7 @@ NUMBERED_HEADING = re.compile(r"^(#{2,3}) (\d+(?:\.\d+)?)\.? ", flags=re.MULTILI
 # Plain text only: a reference inside inline code, maths or an existing link is left alone.
 PROTECTED = re.compile(r"`[^`]*`|\$[^$]*\$|\[[^\]]*\]\([^)]*\)")
 MARKDOWN_LINK = re.compile(r"(\]\()([^)\s]+)(\))")
+CODE = re.compile(r"```.*?```|`[^`\n]*`", flags=re.DOTALL)  # a link written inside code is an example, not a link
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 
@@ -94,9 +95,12 @@ def read_course(root: Path = REPO_ROOT) -> Course:
                 continue
             if (root / resolved).is_dir():
                 course.folders.append(resolved)
+            elif (root / resolved).is_file() and resolved.endswith(".md"):  # CONTRIBUTING.md, CHANGELOG.md: pages
+                course.markdown.append(resolved)
             elif (root / resolved).is_file() and not resolved.endswith(".png"):
                 sources.add(resolved)
     course.sources = sorted(sources)
+    course.markdown = sorted(set(course.markdown))
     course.folders = sorted(set(course.folders))
     return course
 
@@ -110,8 +114,14 @@ def markdown_texts(course: Course):
         yield path, (course.root / path).read_text()
 
 
+def in_code(text: str) -> list[range]:
+    """The character ranges of text's code spans and fenced blocks."""
+    return [range(*match.span()) for match in CODE.finditer(text)]
+
+
 def link_targets(text: str) -> list[str]:
-    return [match.group(2) for match in MARKDOWN_LINK.finditer(text)]
+    code = in_code(text)
+    return [match.group(2) for match in MARKDOWN_LINK.finditer(text) if not any(match.start() in span for span in code)]
 
 
 def resolve(page: str, target: str) -> str | None:
@@ -295,10 +305,12 @@ def source_page_name(path: str) -> str:
 def rewrite_links(text: str, page: str, course: Course, problems: list[str]) -> str:
     """Point every relative link at the page the site has for its target; report targets that do not exist."""
 
+    code = in_code(text)
+
     def rewrite(match: re.Match) -> str:
         target = match.group(2)
         resolved = resolve(page, target)
-        if resolved is None:
+        if resolved is None or any(match.start() in span for span in code):
             return match.group(0)
         parts = urlsplit(target)
         anchor = f"#{parts.fragment}" if parts.fragment else ""
@@ -461,7 +473,7 @@ def stage_landing_page(course: Course, staging: Path, labels: dict, problems: li
     lab_pages = [path for path in course.sources if path.startswith("labs/")] + [path for path in course.markdown if path.startswith("labs/")]
     other_sources = [path for path in course.sources if not path.startswith("labs/")]
     solution_pages = solutions + [path for path in course.markdown if path.startswith("solutions/")]
-    more = [path for path in course.markdown if path.startswith(("lectures/", "assets/"))] + other_sources
+    more = [path for path in course.markdown if path.startswith(("lectures/", "assets/")) or "/" not in path] + other_sources
     text = rewrite_links(readme, "README.md", course, problems)
     text = link_section_references(text, "README.md", labels, problems)
     text += toctree("The route", route)
