@@ -396,6 +396,19 @@ def test_with_a_fresh_store_per_attempt_master_port_is_held_by_no_one_until_rank
     assert "get_free_port" in comments and "spends one of its 3 restarts" in comments
 
 
+def test_a_rank_0_store_whose_port_a_listener_took_fails_with_the_error_the_sbatch_script_names():
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as listener:
+        listener.bind(("", 0))
+        listener.listen()
+        with pytest.raises(dist.DistNetworkError, match="EADDRINUSE, message: address already in use"):
+            dist.TCPStore("127.0.0.1", listener.getsockname()[1], 1, True, wait_for_workers=False)
+    assert '(DistNetworkError: "EADDRINUSE, message: address already in use")' in SBATCH.read_text()
+
+
 # --- interfaces (finding 15 of the 2026-11-28 review) ------------------------------------------------------
 
 
