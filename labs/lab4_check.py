@@ -345,10 +345,11 @@ def rounding_tolerance(gradient: torch.Tensor, absolute_sums: torch.Tensor, long
     first steps (gamma_n ~ 1e-3, absolute sums ~9x the gradient's norm), and covers what float32
     also does: a pre-activation within rounding of 0 that one computation puts on the other side of
     a ReLU switches that sample's gradient through that unit on or off. One such switch in the
-    classifier's hidden layer moves lab 4's gradient by 0.3% (median over its units and samples, 1%
-    at most); a fixed tolerance of 0.1% failed a correct step on a CPU with AVX-512. The bugs checks
-    2 and 7 look for are far outside it: a gradient that piles up differs by 90% or more, a loss
-    scaled by the world size by a factor of 2.
+    classifier's hidden layer moved the gradients of lab 4's first steps by 0.3% (median over its
+    units and samples; about 1% at most), more than the fixed tolerance of 0.1% this replaced, which
+    was reported to fail a correct step on a CPU with AVX-512. The bugs checks 2 and 7 look for are
+    far outside it: a gradient that piles up differs by 90% or more, a loss scaled by the world size
+    by a factor of 2.
     """
     n_u = longest_sum * FLOAT32_UNIT_ROUNDOFF
     gamma = n_u / (1 - n_u)
