@@ -16,7 +16,8 @@ host, on the virtual hosts of ddp_course.netns (node1 at 192.168.77.1, node2 at 
     SLURM          ddp_course.slurm_cluster: `sbatch --nodes=2 labs/slurm/lab3.sbatch`, its twin with
                    RDZV_ENDPOINT=node3:29400 (a node that is down), and labs/slurm/srun_cpus.sbatch
 
-All start at once: the failing runs mostly wait for their (short) timeouts. facts() turns the
+All start at once: the failing runs mostly wait for their timeouts (see FAIL_FAST_RDZV and
+SLOW_START_RDZV for which, and why a run that must meet first gets longer ones). facts() turns the
 results into what the sheet prints and the tests compare: states, exit statuses, diagnoses,
 "weights equal", the accuracy; nothing that changes between runs (no ports chosen by the OS,
 times or process ids).
@@ -46,16 +47,24 @@ RECORD = REPO_ROOT / "labs" / "slurm" / "recorded_runs.json"
 LAB3_FLAGS = ["--max-steps", "6", "--batch-size", "192", "--timeout-s", "60"]
 PORT = 29400  # inside namespaces of our own every port is free, so the endpoint can be fixed (and printed)
 ENDPOINT = f"node1:{PORT}"
-# The failing runs give up within seconds instead of torch's defaults: 60 s for an agent to reach
-# the rendezvous store (read_timeout) and 600 s for the others to join (join_timeout). gloo needs
-# no such setting: it gives up on a refused connection after 4 attempts (its retryLimit of 3).
+# The runs that fail AT the rendezvous give up within seconds instead of torch's defaults: 60 s for
+# an agent to reach the rendezvous store (read_timeout) and 600 s for the others to join
+# (join_timeout). Node1's firewall and node3's absence fail whatever the timing, so 5 s is enough.
 FAIL_FAST_RDZV = "--rdzv-conf=read_timeout=5,join_timeout=5"
+# The wrong interface fails AFTER the rendezvous, so both agents must meet first, and everything
+# here starts at once on 2 cores: well over a dozen Python processes importing torch. One agent's
+# start can then lag the other's by more than 5 s, and with FAIL_FAST_RDZV the early one gives up
+# on the late one: with node2 started 12 s late, the diagnosis named the rendezvous endpoint
+# ("did not answer within 5000 ms") instead of the wrong interface. These timeouts only bound the
+# wait for a slow start: the run still ends as fast as gloo gives up on the refused address (4
+# attempts, its retryLimit of 3), and the launcher's limit below still stops a run that hangs.
+SLOW_START_RDZV = "--rdzv-conf=read_timeout=60,join_timeout=60"
 LAUNCH_LIMIT_S = {"train": 300, "fail": 120}  # then the launcher kills the run (it counts as "stopped")
 SBATCH_ARGS = ["--nodes=2", "--cpus-per-task=2", "--gpus-per-node=0"]  # the CPU settings of lab3.sbatch
-BY_HAND = {  # scenario: (hosts whose name resolves to 127.0.1.1, extra environment, launch kind)
-    "wrong interface": (("node2",), {}, "fail"),
-    "GLOO_SOCKET_IFNAME": (("node2",), {"GLOO_SOCKET_IFNAME": INTERFACE}, "train"),
-    "blocked port": ((), {}, "fail"),
+BY_HAND = {  # scenario: (hosts whose name resolves to 127.0.1.1, extra environment, launch kind, rendezvous settings)
+    "wrong interface": (("node2",), {}, "fail", [SLOW_START_RDZV]),
+    "GLOO_SOCKET_IFNAME": (("node2",), {"GLOO_SOCKET_IFNAME": INTERFACE}, "train", []),  # torch's defaults
+    "blocked port": ((), {}, "fail", [FAIL_FAST_RDZV]),
 }
 
 
@@ -90,17 +99,22 @@ def run_all(workdir: str | Path) -> Runs:
     return runs
 
 
-def _by_hand(runs: Runs, scenario: str) -> list[RunResult]:
-    """One torchrun agent on each host, both naming node1:29400; returns their results (node1's first)."""
-    loopback_name, env, kind = BY_HAND[scenario]
-    flags, rdzv = [*LAB3_FLAGS, "--save", runs.weights(scenario)], [FAIL_FAST_RDZV] if kind == "fail" else []
+def _by_hand(runs: Runs, scenario: str, node2_late_s: float = 0) -> list[RunResult]:
+    """One torchrun agent on each host, both naming node1:29400; returns their results (node1's first).
+
+    node2_late_s: node2's agent starts that many seconds after node1's, as an agent whose start a
+    loaded machine delays (tests/test_multinode.py checks that the diagnosis survives it).
+    """
+    loopback_name, env, kind, rdzv = BY_HAND[scenario]
+    flags = [*LAB3_FLAGS, "--save", runs.weights(f"{scenario} late" if node2_late_s else scenario)]
     rdzv_id = scenario.replace(" ", "_")
     command = agent_command(LAB3, flags, nnodes="2", nproc=1, endpoint=ENDPOINT, rdzv_id=rdzv_id, torchrun_args=rdzv)
+    late = ["sh", "-c", f'sleep {node2_late_s:g} && exec "$@"', "sh"] if node2_late_s else []
     with VirtualHosts(loopback_name=loopback_name) as hosts:
         if scenario == "blocked port":
             hosts.block_port("node1", PORT)
-        deadline = time.monotonic() + LAUNCH_LIMIT_S[kind]  # one for both agents, which start together
-        agents = [Agent(hosts.command(name, command), env) for name in hosts.names]
+        deadline = time.monotonic() + LAUNCH_LIMIT_S[kind] + node2_late_s  # one for both agents
+        agents = [Agent(hosts.command("node1", command), env), Agent(hosts.command("node2", [*late, *command]), env)]
         return [agent.wait(deadline - time.monotonic()) for agent in agents]
 
 

@@ -33,24 +33,52 @@ from ddp_course.faults import Diagnosis, diagnose
 from ddp_course.launch import REPO_ROOT, RunResult, _descendant_pids, _kill_job, child_environment
 
 
-# Ports below the kernel's ephemeral range (32768-60999 by default: /proc/sys/net/ipv4/ip_local_port_range).
-# The kernel never hands these out by itself, so one that is free now stays free until it is bound by
-# number. A port from the ephemeral range, however free now, goes to the next socket that binds port 0
-# (gloo's listeners, srun's) as easily as to us: labs/slurm/lab3.sbatch says how that once failed a job.
-QUIET_PORTS = range(20000, 32768)
+# The ports the kernel hands out by itself, to every socket that binds port 0 (gloo's listeners,
+# srun's, get_free_port()'s): Linux's default is 32768-60999, but busy servers and some Kubernetes
+# nodes widen it (1024-65535, 15000-65000), so it is read, not assumed.
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+IANA_EPHEMERAL_RANGE = (49152, 65535)  # where there is no such file (macOS, Windows): their default
+# Below this port sit many services' fixed ports (5432, 6379, 8080, 8888...): never picked.
+QUIET_FLOOR = 10000
 _PICK = random.SystemRandom()  # not the seeded `random`: seeded processes would all pick the same ports
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on host now, from QUIET_PORTS; bind to it soon, as it is not reserved."""
-    for port in _PICK.sample(QUIET_PORTS, 64):
+def ephemeral_port_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """(first, last) of this host's ephemeral port range, as the kernel reads it."""
+    try:
+        first, last = map(int, path.read_text().split())
+    except (OSError, ValueError):
+        return IANA_EPHEMERAL_RANGE
+    return first, last
+
+
+def quiet_ports(ephemeral: tuple[int, int] | None = None) -> list[int]:
+    """The ports from QUIET_FLOOR to 65535 outside the ephemeral range (default: this host's).
+
+    The kernel never hands these out by itself, so one that is free now stays free until it is
+    bound by number. A port from the ephemeral range, however free now, goes to the next socket
+    that binds port 0 as easily as to us: labs/slurm/lab3.sbatch says how that once failed a job.
+    """
+    first, last = ephemeral or ephemeral_port_range()
+    below, above = range(QUIET_FLOOR, min(first, 65536)), range(max(last + 1, QUIET_FLOOR), 65536)  # either may be empty
+    return [*below, *above]
+
+
+def free_port(host: str = "127.0.0.1", ephemeral: tuple[int, int] | None = None) -> int:
+    """A TCP port free on host now, outside its ephemeral range (quiet_ports); bind to it soon, as it is not reserved."""
+    candidates = quiet_ports(ephemeral)
+    first, last = ephemeral or ephemeral_port_range()
+    if not candidates:
+        raise OSError(f"every port from {QUIET_FLOOR} to 65535 is in this host's ephemeral range ({first}-{last}, "
+                      f"{EPHEMERAL_RANGE_FILE}): no port is safe from the next socket that binds port 0")  # fmt: skip
+    for port in _PICK.sample(candidates, min(64, len(candidates))):
         with socket.socket() as probe:
             try:
                 probe.bind((host, port))
             except OSError:  # in use: try another
                 continue
             return port
-    raise OSError(f"no free port among 64 tries in {QUIET_PORTS.start}-{QUIET_PORTS.stop - 1} on {host}")
+    raise OSError(f"no free port among 64 tries from {QUIET_FLOOR} to 65535 outside {first}-{last} on {host}")
 
 
 def port_is_open(host: str, port: int) -> bool:

@@ -11,25 +11,33 @@ the file system (the repository, the Python environment, the data) and the CPUs.
 Nothing outside the namespaces is touched: the machine's interfaces, addresses, /etc/hosts and
 firewall stay as they are, and the addresses above exist only inside the namespaces this module
 creates (so two sessions may use them at once). close() ends every process still in a namespace
-(it can only be one this session started, or a child of one) and deletes the namespaces; a
-namespace left by a session that was killed (its owner's pid is in the name) is removed by the
-next VirtualHosts(). Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN), iproute2 (`ip`), util-linux
-(`nsenter`, `unshare`) and, for block_port, nftables (`nft`).
+(it can only be one this session started, or a child of one) and deletes the namespaces. A session
+killed before its close() (a pytest run stopped with SIGKILL) leaves its namespaces, the daemons in
+them and its folder; their names carry the owner's pid, so the next VirtualHosts() removes them,
+and so does, from a shell:
+
+    sudo .venv/bin/python -m ddp_course.netns --cleanup
+
+Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN), iproute2 (`ip`), util-linux (`nsenter`, `unshare`) and,
+for block_port, nftables (`nft`).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from itertools import count
 from pathlib import Path
 
 PREFIX = "ddpc"  # namespaces are named ddpc<owner pid>-<instance>-<host>
+FOLDER_PREFIX = "ddpc_hosts_"  # each VirtualHosts' folder (hosts files, a cluster's state): ddpc_hosts_<owner pid>_...
 SUBNET = "192.168.77"  # host i (from 1) is SUBNET.i/24
 INTERFACE = "eth0"  # the name of each host's end of the cable, as on a typical server
 # Debian's installer maps a host's own name to this address when the host has no fixed one
@@ -71,13 +79,13 @@ class VirtualHosts:
     """
 
     def __init__(self, loopback_name: tuple[str, ...] = ()):
-        remove_stale_namespaces()
+        clean_up()
         self.names = ["node1", "node2"]
         self.addresses = {name: f"{SUBNET}.{i}" for i, name in enumerate(self.names, start=1)}
         self.absent_address = f"{SUBNET}.3"
         instance = next(_instances)
         self.namespaces = {name: f"{PREFIX}{os.getpid()}-{instance}-{name}" for name in self.names}
-        self.dir = Path(tempfile.mkdtemp(prefix="ddpc_hosts_"))
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}_"))
         self._processes: list[subprocess.Popen] = []
         try:
             self._build(loopback_name)
@@ -108,13 +116,21 @@ class VirtualHosts:
         return "\n".join(lines) + "\n"
 
     def close(self) -> None:
-        """End every process on every host (SIGTERM, then SIGKILL), delete the namespaces and files."""
-        namespaces = list(self.namespaces.values())
-        end_processes_in(namespaces)
+        """End every process on every host (SIGTERM, then SIGKILL), delete the namespaces and files.
+
+        Bounded: at most END_GRACE_S + END_KILL_S for the hosts' processes, then REAP_S for each
+        process start() made. A namespace whose processes outlived SIGKILL (stuck in the kernel) is
+        kept, and said so on stderr: deleting its name would leave them running where no one finds
+        them; `python -m ddp_course.netns --cleanup` tries again later.
+        """
+        for namespace, left in end_processes_in(list(self.namespaces.values())).items():
+            if left:
+                print(f"netns: kept {namespace}: processes {left} outlived SIGKILL "
+                      "(python -m ddp_course.netns --cleanup tries again)", file=sys.stderr)  # fmt: skip
+            else:
+                _run(["ip", "netns", "delete", namespace], check=False)
         for process in self._processes:
-            process.wait()
-        for namespace in namespaces:
-            _run(["ip", "netns", "delete", namespace], check=False)
+            _reap(process)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> "VirtualHosts":
@@ -181,21 +197,73 @@ def namespace_pids(namespace: str) -> list[int]:
     return pids
 
 
-def end_processes_in(namespaces, grace_s: float = 3.0) -> None:
-    """SIGTERM every process in the namespaces, SIGKILL those left after grace_s, wait until none is left."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        pids = [pid for namespace in namespaces for pid in namespace_pids(namespace)]
+# How long close() and clean_up() give the processes of a namespace: SIGTERM, then SIGKILL.
+END_GRACE_S = 3.0  # for SIGTERM: a daemon (slurmd, slurmctld, munged) then stops cleanly
+END_KILL_S = 10.0
+REAP_S = 5.0  # then how long close() waits for each process it started before it SIGKILLs it
+
+
+def end_processes_in(namespaces, grace_s: float = END_GRACE_S, kill_s: float = END_KILL_S) -> dict[str, list[int]]:
+    """End every process in the namespaces: {namespace: pids still there after grace_s + kill_s (normally none)}."""
+    def listed():
+        return [pid for namespace in namespaces for pid in namespace_pids(namespace)]
+
+    end_processes(listed, grace_s, kill_s)
+    return {namespace: namespace_pids(namespace) for namespace in namespaces}
+
+
+def end_processes(list_pids, grace_s: float, kill_s: float, poll_s: float = 0.1) -> list[int]:
+    """SIGTERM every process list_pids() names; after grace_s, SIGKILL every one it still names;
+    return what it names after kill_s more (normally nothing).
+
+    list_pids() is asked again at every poll and whatever it names is signalled, not only what it
+    named at the start: a process started meanwhile (slurmd forking a slurmstepd for a job step
+    while it is being stopped) is ended too, instead of being waited for until the deadline and
+    then left running.
+    """
+    term_until = time.monotonic() + grace_s
+    kill_until = term_until + kill_s
+    terminated: set[int] = set()
+    while True:
+        pids = list_pids()
+        now = time.monotonic()
+        if not pids or now >= kill_until:
+            return pids
         for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait_s
-        while pids and time.monotonic() < deadline:
-            time.sleep(0.1)
-            pids = [pid for namespace in namespaces for pid in namespace_pids(namespace)]
-        if not pids:
-            return
+            if now >= term_until:
+                _signal(pid, signal.SIGKILL)  # again at every poll: cheap, and a new pid may have come
+            elif pid not in terminated:
+                _signal(pid, signal.SIGTERM)
+                terminated.add(pid)
+        time.sleep(poll_s)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:  # it ended since it was listed
+        pass
+
+
+def _reap(process: subprocess.Popen) -> None:
+    """Wait for a process start() made (a daemon), at most REAP_S; then SIGKILL its session and wait again.
+
+    Its pid is normally in a namespace and already ended; one that is not (nsenter stuck before
+    it entered) would otherwise keep close() waiting forever.
+    """
+    try:
+        process.wait(timeout=REAP_S)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # start() gave it a session (and process group) of its own
+    except ProcessLookupError:
+        pass
+    try:
+        process.wait(timeout=REAP_S)
+    except subprocess.TimeoutExpired:
+        print(f"netns: process {process.pid} ({' '.join(process.args[-3:])}) outlived SIGKILL", file=sys.stderr)
 
 
 def our_namespaces() -> list[str]:
@@ -205,13 +273,57 @@ def our_namespaces() -> list[str]:
     return [name for name in names if name.startswith(PREFIX) and name[len(PREFIX) :].split("-")[0].isdigit()]
 
 
-def remove_stale_namespaces() -> None:
-    """Remove the namespaces of sessions that are gone (killed before their close()), and their processes."""
-    for namespace in our_namespaces():
-        owner = int(namespace[len(PREFIX) :].split("-")[0])
-        if owner != os.getpid() and not Path(f"/proc/{owner}").exists():
-            end_processes_in([namespace])
-            _run(["ip", "netns", "delete", namespace], check=False)
+def _owner_is_gone(pid_text: str) -> bool:
+    """Has the session whose pid is in a namespace's or folder's name ended (killed before its close())?"""
+    return pid_text.isdigit() and int(pid_text) != os.getpid() and not Path(f"/proc/{pid_text}").exists()
+
+
+def stale_namespaces() -> list[str]:
+    """Our namespaces whose owner is gone."""
+    return [name for name in our_namespaces() if _owner_is_gone(name[len(PREFIX) :].split("-")[0])]
+
+
+def stale_folders() -> list[Path]:
+    """The folders of VirtualHosts whose owner is gone (hosts files, a cluster's munge key, state and logs)."""
+    found = Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*_*")
+    return sorted(path for path in found if path.is_dir() and _owner_is_gone(path.name[len(FOLDER_PREFIX) :].split("_")[0]))
+
+
+def clean_up() -> list[str]:
+    """Remove what sessions killed before their close() left: their namespaces, every process in
+    them (slurmctld, slurmd, munged, jobs) and their folders. Never another live session's.
+    Returns one line per thing removed (or kept, with why)."""
+    done = []
+    for namespace in stale_namespaces():
+        found = len(namespace_pids(namespace))
+        left = end_processes_in([namespace])[namespace]
+        if left:
+            done.append(f"kept namespace {namespace}: processes {left} outlived SIGKILL")
+            continue
+        _run(["ip", "netns", "delete", namespace], check=False)
+        done.append(f"removed namespace {namespace} and the {found} processes in it")
+    for folder in stale_folders():
+        shutil.rmtree(folder, ignore_errors=True)
+        done.append(f"removed {folder}")
+    return done
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ddp_course.netns", description=__doc__.splitlines()[0])
+    parser.add_argument("--cleanup", action="store_true",
+                        help="remove the namespaces, daemons and folders that killed sessions left (root)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if not args.cleanup:
+        parser.error("nothing to do: --cleanup removes what killed sessions left")
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        print("netns: --cleanup needs root (the namespaces and their daemons are root's)", file=sys.stderr)
+        return 1
+    if shutil.which("ip") is None:
+        print("netns: no `ip` command (iproute2), so no namespace of this module can exist here", file=sys.stderr)
+        return 1
+    done = clean_up()
+    print("\n".join(done) if done else "netns: nothing left by a killed session")
+    return 0
 
 
 def _in(namespace: str, *argv: str) -> None:
@@ -223,3 +335,7 @@ def _run(argv, check: bool = True) -> subprocess.CompletedProcess:
     if check and done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
     return done
+
+
+if __name__ == "__main__":
+    sys.exit(main())
