@@ -129,11 +129,11 @@ def test_no_stored_output_of_the_course_holds_an_absolute_path():
 
 @pytest.mark.timeout(300)
 def test_a_stored_path_fails_the_check_and_a_masked_one_passes_nbval(tmp_path, capsys):
-    # Stored by the course's own storing: the cell prints where the course's package lies on this machine,
-    # the file keeps .../__init__.py. nbval then compares the fresh absolute path with it through the
-    # sanitizer: no change.
+    # Stored by the course's own storing: the cell prints where a package lies on this machine, the file
+    # keeps .../__init__.py. nbval then compares the fresh absolute path with it through the sanitizer: no
+    # change. (The standard library's json, not ddp_course: a clone under /tmp would print TMPPATH instead.)
     masked = tmp_path / "masked.ipynb"
-    nbformat.write(notebook_with_outputs(("import ddp_course\nprint(ddp_course.__file__)", "")), masked)
+    nbformat.write(notebook_with_outputs(("import json\nprint(json.__file__)", "")), masked)
     notebooks.execute_in_place(masked, timeout_s=120)
     assert nbformat.read(masked, as_version=4).cells[1].outputs[0].text == ".../__init__.py\n"
     # Planted: an absolute path in a stored output that nbval never compares (as in lab 3's failure report).
