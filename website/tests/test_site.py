@@ -150,7 +150,9 @@ def course_copy(tmp_path) -> Path:
     root = tmp_path / "course"
     for name in ("lectures", "labs", "solutions", "assets", "website", "ddp_course"):
         shutil.copytree(REPO_ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__", "runs", "data", "*.pt"))
-    shutil.copyfile(REPO_ROOT / "README.md", root / "README.md")
+    for path in REPO_ROOT.iterdir():  # README.md and the files it links: CONTRIBUTING.md, CHANGELOG.md, LICENSE, ...
+        if path.is_file() and not path.name.startswith("."):
+            shutil.copyfile(path, root / path.name)
     return root
 
 
