@@ -67,7 +67,7 @@ def verdicts(records: list[dict]) -> list[tuple[str, bool]]:
 def table(records: list[dict]) -> str:
     rows = [{"ranks": r["world_size"], "impl": r["impl"], "units": r["fsdp_units"] or "-",
              "messages": r["messages_per_step"], "state_MiB": r["model_state_bytes"]["total"] / 2**20,
-             "state_vs_ddp": r["state_vs_ddp"] or "-", "sent_MiB": r["bytes_per_step_measured"] / 2**20,
+             "state_vs_ddp": r["state_vs_ddp"] or "-", "ring_model_MiB": r["ring_model_bytes_per_step"] / 2**20,
              "formula_MiB": r["bytes_per_step_predicted"] / 2**20, "bytes_ratio": r["bytes_vs_formula"],
              "step_ms": 1000 * r["step_time_s"], "vs_fully_shard": r["vs_fully_shard"]} for r in records]  # fmt: skip
     return format_table(rows, list(rows[0]))

@@ -45,8 +45,8 @@ with one line and exit status 1 - one rank would shard nothing and send nothing.
 What you should see: with labs/minifsdp.py untouched and --impl fsdp, one line naming the first TODO
 and exit status 1. With --module solutions on 2 CPU ranks every implementation PASSes, FSDP keeps about
 half of DDP's bytes per rank between steps (a quarter at 4 ranks) and at most the root's and one block's
-full weights more during a step, communicates 1.5x DDP's bytes, and every measured byte count is within
-a few per cent of the formula (solutions/lab8_reference/).
+full weights more during a step, communicates 1.5x DDP's bytes, and every byte count (a ring-cost count of the collectives each rank
+called: a count, not a measurement of the wire) is within a few per cent of the formula (solutions/lab8_reference/).
 """
 
 import argparse
@@ -81,7 +81,7 @@ ADAMW_LR = 1e-3
 # hold full gradients - the one in flight and the one being filled, when gradients arrive in bucket order
 # (labs/minizero2.py) - where DDP's 25 MiB would make this 3 MiB model one bucket: all of them at once.
 ZERO2_BUCKET_MB = 1.0
-BYTES_TOLERANCE = 0.05  # measured bytes per step vs the formula: padding and the replicated vectors stay far below
+BYTES_TOLERANCE = 0.05  # counted bytes per step vs the formula: padding and the replicated vectors stay far below
 MIB = 2**20
 
 
@@ -242,7 +242,7 @@ def measure(args, ctx, tokens, modules) -> tuple[dict, dict]:
             "cuda_peak_allocated_bytes": None if cuda["bytes"] is None else int(lab6.job_max(cuda["bytes"], ctx)),
             "collective_bytes_by_kind": counter.bytes_by_kind(),
             "messages_per_step": len(counter.calls),  # each pays the fixed latency alpha, whatever its size
-            "bytes_per_step_measured": counter.ring_model_bytes_per_rank(ctx.world_size),
+            "ring_model_bytes_per_step": counter.ring_model_bytes_per_rank(ctx.world_size),
             "bytes_per_step_predicted": predicted(impl, lab6.new_model(args, ctx), ctx.world_size),
         }
     times = {impl: [] for impl in args.impls}
@@ -336,7 +336,7 @@ def run(args, ctx) -> tuple[list[dict], bool]:
         "batch_size_per_rank": args.batch_size, "check_steps": args.check_steps,
         **{k: v for k, v in checked[impl].items() if k != "verdict"}, "check_passed": checked[impl]["verdict"] == "PASS",
         **measured[impl], "gathered_bound_bytes": bound if impl == "fsdp" else None,
-        "bytes_vs_formula": ratio(measured[impl]["bytes_per_step_measured"], measured[impl]["bytes_per_step_predicted"]),
+        "bytes_vs_formula": ratio(measured[impl]["ring_model_bytes_per_step"], measured[impl]["bytes_per_step_predicted"]),
         "state_vs_ddp": measured[impl]["model_state_bytes"]["total"] / ddp_total if ddp_total else None,
         "step_time_s": median.get(impl), "step_times_s": times.get(impl, []),
         "vs_fully_shard": lab6.median_ratio(times, impl, "fully_shard"),
@@ -366,16 +366,16 @@ def failures(record: dict) -> list[str]:
     return found
 
 
-def ratio(measured: float, predicted: float) -> float | None:
-    """measured / predicted; None where the formula predicts 0 bytes."""
-    return measured / predicted if predicted else None
+def ratio(counted: float, predicted: float) -> float | None:
+    """counted / predicted; None where the formula predicts 0 bytes."""
+    return counted / predicted if predicted else None
 
 
 def report(records: list[dict], args) -> None:
     short = {"parameters": "params_MiB", "gradients": "grads_MiB", "optimizer_state": "adam_MiB", "total": "total_MiB"}
     rows = [{"impl": r["impl"], **{short[k]: v / MIB for k, v in r["model_state_bytes"].items()},
              "vs_ddp": r["state_vs_ddp"], "weights_peak_MiB": r["weights_peak_bytes"] / MIB,
-             "sent_MiB": r["bytes_per_step_measured"] / MIB, "formula_MiB": r["bytes_per_step_predicted"] / MIB,
+             "ring_model_MiB": r["ring_model_bytes_per_step"] / MIB, "formula_MiB": r["bytes_per_step_predicted"] / MIB,
              "ratio": r["bytes_vs_formula"], "messages": r["messages_per_step"]} for r in records]  # fmt: skip
     log("model state on the fullest rank between steps (AdamW), the weights it holds at the step's fullest moment,")
     log("bytes each rank sends per step (ring costs) and collectives per step:")

@@ -147,13 +147,13 @@ def test_bytes_per_step_match_the_formula(job):
     _, records = job
     for impl, record in records.items():
         assert abs(record["bytes_vs_formula"] - 1) <= 0.05, (impl, record["bytes_vs_formula"])
-    ddp = records["ddp"]["bytes_per_step_measured"]
-    assert records["fully_shard"]["bytes_per_step_measured"] / ddp == pytest.approx(1.5, rel=0.01)
-    assert records["fsdp"]["bytes_per_step_measured"] / ddp == pytest.approx(1.5, rel=0.02)
+    ddp = records["ddp"]["ring_model_bytes_per_step"]
+    assert records["fully_shard"]["ring_model_bytes_per_step"] / ddp == pytest.approx(1.5, rel=0.01)
+    assert records["fsdp"]["ring_model_bytes_per_step"] / ddp == pytest.approx(1.5, rel=0.02)
     # ZeRO-2 splits DDP's all-reduce into a reduce-scatter and an all-gather; fully_shard without resharding
     # gathers once: both send DDP's bytes (up to padding to a multiple of 2 elements)
     for impl in ("zero2", "fully_shard_keep"):
-        assert records[impl]["bytes_per_step_measured"] / ddp == pytest.approx(1.0, rel=0.01), impl
+        assert records[impl]["ring_model_bytes_per_step"] / ddp == pytest.approx(1.0, rel=0.01), impl
 
 
 @pytest.mark.timeout(480)
