@@ -15,10 +15,25 @@ parts not listed: an exercise half done, as a learner who has finished parts 1 a
 
     python -m ddp_course.exercises solutions/minddp.py labs/minddp.py          # (re)write the exercise
     python -m ddp_course.exercises solutions/minddp.py labs/minddp.py --check  # exit 1 if it is stale
+
+Notebooks use the same markers. In a solutions notebook (`solutions/NAME_solutions.ipynb`) an exercise
+is a code cell that starts with `# Exercise N: title`, its marked regions need no TODO line, and its
+check is the cell that starts with `# Check exercise N`. The lecture (`lectures/NAME.ipynb`) holds the
+same two cells, the exercise with every region replaced by one stub:
+
+        # YOUR CODE HERE (solution: solutions/NAME_solutions.ipynb)
+        raise NotImplementedError("exercise N")
+
+    python -m ddp_course.exercises --notebooks          # rewrite every lecture's exercise and check cells
+    python -m ddp_course.exercises --notebooks --check  # exit 1, naming the cells, if any is stale
+
+Only the cells' sources are written: re-execute the lecture afterwards (python -m ddp_course.notebooks)
+so that its stored outputs are the new cells'.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from dataclasses import dataclass
@@ -142,12 +157,114 @@ def _shown(path: Path) -> str:
     return path.resolve().relative_to(root).as_posix()
 
 
+# --- notebooks ---------------------------------------------------------------------------------
+NOTEBOOK_REGION = re.compile(rf"^( *)# BEGIN SOLUTION\n.*?^ *{END}$", re.MULTILINE | re.DOTALL)
+EXERCISE_TITLE = re.compile(r"# Exercise (\d+):")
+CHECK_TITLE = re.compile(r"# Check exercise (\d+)\b")
+
+
+def notebook_exercise(solution_source: str, number: int, solutions_path: str) -> str:
+    """The exercise cell a learner sees: each marked region of the solution cell becomes the stub that
+    names where the solution is and raises, at the region's indentation."""
+
+    def stub(match: re.Match) -> str:
+        indent = match.group(1)
+        return f'{indent}# YOUR CODE HERE (solution: {solutions_path})\n{indent}raise NotImplementedError("exercise {number}")'
+
+    return NOTEBOOK_REGION.sub(stub, solution_source)
+
+
+def notebook_pairs(root: Path) -> list[tuple[Path, Path]]:
+    """(lecture, its solutions notebook) for every solutions/NAME_solutions.ipynb."""
+    pairs = []
+    for solutions in sorted((root / "solutions").glob("*_solutions.ipynb")):
+        pairs.append((root / "lectures" / solutions.name.replace("_solutions.ipynb", ".ipynb"), solutions))
+    return pairs
+
+
+def _code_cells(notebook: dict) -> list[dict]:
+    return [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+
+
+def _source(cell: dict) -> str:
+    return "".join(cell["source"])
+
+
+def expected_lecture_cells(solutions: dict, solutions_path: str) -> dict[str, str]:
+    """{first line: the source the lecture's cell must have} for every exercise and check cell."""
+    expected = {}
+    for cell in _code_cells(solutions):
+        source = _source(cell)
+        title = source.split("\n", 1)[0]
+        if exercise := EXERCISE_TITLE.match(title):
+            if not NOTEBOOK_REGION.search(source):
+                raise ValueError(f"{title!r} marks no region between '# BEGIN SOLUTION' and '{END}'")
+            expected[title] = notebook_exercise(source, int(exercise.group(1)), solutions_path)
+        elif CHECK_TITLE.match(title):
+            expected[title] = source
+    return expected
+
+
+def stale_cells(lecture: dict, solutions: dict, solutions_path: str) -> list[str]:
+    """The titles of the lecture's exercise and check cells that differ from what the solutions generate
+    (missing cells included): empty when the two notebooks agree."""
+    expected = expected_lecture_cells(solutions, solutions_path)
+    found = {_source(cell).split("\n", 1)[0]: _source(cell) for cell in _code_cells(lecture)}
+    return [title for title, source in expected.items() if found.get(title) != source]
+
+
+def write_lecture_cells(lecture: dict, solutions: dict, solutions_path: str) -> list[str]:
+    """Give the lecture's exercise and check cells the generated sources; returns the titles rewritten.
+    A cell the lecture lacks is an error (where it goes is an author's decision, not the generator's)."""
+    expected = expected_lecture_cells(solutions, solutions_path)
+    rewritten = []
+    for cell in _code_cells(lecture):
+        title = _source(cell).split("\n", 1)[0]
+        if title in expected and _source(cell) != expected[title]:
+            cell["source"] = expected[title].splitlines(keepends=True)
+            rewritten.append(title)
+    missing = set(expected) - {_source(cell).split("\n", 1)[0] for cell in _code_cells(lecture)}
+    if missing:
+        raise ValueError(f"the lecture has no cell titled {sorted(missing)[0]!r}: add it where it belongs, then rerun")
+    return rewritten
+
+
+def sync_notebooks(root: Path, check: bool) -> int:
+    """Check (or rewrite) every lecture's exercise and check cells; the exit status."""
+    status = 0
+    for lecture_path, solutions_path in notebook_pairs(root):
+        lecture, solutions = json.loads(lecture_path.read_text()), json.loads(solutions_path.read_text())
+        shown = solutions_path.relative_to(root).as_posix()
+        if check:
+            stale = stale_cells(lecture, solutions, shown)
+            for title in stale:
+                print(f"{lecture_path.relative_to(root)}: cell {title!r} is not what {shown} generates", file=sys.stderr)
+            status |= bool(stale)
+            continue
+        rewritten = write_lecture_cells(lecture, solutions, shown)
+        if rewritten:
+            lecture_path.write_text(json.dumps(lecture, indent=1, ensure_ascii=False, sort_keys=True) + "\n")
+            print(f"wrote {len(rewritten)} cells of {lecture_path.relative_to(root)}: re-execute it (python -m ddp_course.notebooks)")
+    return status
+
+
 def main(argv=None) -> int:
     parser = CourseArgumentParser(prog="python -m ddp_course.exercises", description=__doc__.split("\n\n")[0])
-    parser.add_argument("solution", type=Path, help="solution file with BEGIN/END SOLUTION regions")
-    parser.add_argument("exercise", type=Path, help="exercise file to write")
+    parser.add_argument("solution", type=Path, nargs="?", help="solution file with BEGIN/END SOLUTION regions")
+    parser.add_argument("exercise", type=Path, nargs="?", help="exercise file to write")
+    parser.add_argument("--notebooks", action="store_true", help="every lecture's exercise cells from its solutions notebook")
     parser.add_argument("--check", action="store_true", help="only check that the exercise is up to date")
     args = parser.parse_args(argv)
+    if args.notebooks:
+        if args.solution or args.exercise:
+            parser.error("--notebooks takes no files: it reads every solutions/*_solutions.ipynb")
+        try:
+            # the clone the command runs in (a path inside the folder, so that the folder itself is searched)
+            return sync_notebooks(repository_root(Path.cwd() / "pyproject.toml") or Path.cwd(), args.check)
+        except ValueError as problem:
+            parser.error(str(problem))
+    if args.solution is None or args.exercise is None:
+        parser.error("give a solution file and an exercise file, or --notebooks")
     if not args.solution.is_file():
         parser.error(f"no such solution file: {args.solution}")
     try:

@@ -117,10 +117,6 @@ def replaced(namespace: dict, **replacements):
         namespace.update(saved)
 
 
-# An exercise cell is its solution cell with every marked block replaced by a stub that raises.
-SOLUTION_BLOCK = re.compile(r"^( *)# SOLUTION START\n.*?^ *# SOLUTION END$", re.MULTILINE | re.DOTALL)
-
-
 def cells_titled(path: str | Path, prefix: str) -> dict[str, tuple[str, str]]:
     """{first line: (source, stored stdout)} for the code cells whose source starts with prefix.
 
@@ -133,17 +129,6 @@ def cells_titled(path: str | Path, prefix: str) -> dict[str, tuple[str, str]]:
             stdout = "".join("".join(out.get("text", "")) for out in cell["outputs"] if out["output_type"] == "stream")
             found[source.splitlines()[0]] = (source, stdout)
     return found
-
-
-def without_solution(solution_source: str, number: int, solutions_path: str) -> str:
-    """The exercise a learner sees: each `# SOLUTION START` ... `# SOLUTION END` block becomes a stub
-    that names where the solution is and raises, at the block's indentation."""
-
-    def stub(match: re.Match) -> str:
-        indent = match.group(1)
-        return f'{indent}# YOUR CODE HERE (solution: {solutions_path})\n{indent}raise NotImplementedError("exercise {number}")'
-
-    return SOLUTION_BLOCK.sub(stub, solution_source)
 
 
 def shared_cells(path: str | Path) -> list[str]:

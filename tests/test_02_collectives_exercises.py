@@ -1,10 +1,10 @@
 """Lecture 2's exercises and their solutions never drift apart, and the checks can tell them apart.
 
 solutions/02_collectives_solutions.ipynb is run by `pytest --nbval` (its checks print "correct").
-This test proves that each exercise cell of the lecture is the solution cell with the block
-between "# BEGIN SOLUTION" and "# END SOLUTION" replaced by a placeholder, that the check cells
-are the same in both notebooks (one call of ddp_course.lecture02_checks with the learner's
-function), and that the set-up cells the solutions copy are the lecture's. It also runs the cells
+That each exercise cell of the lecture is what `python -m ddp_course.exercises --notebooks` makes of
+its solution cell, and that the check cells are the same in both notebooks, is tested with every
+lecture's in tests/test_exercises_in_step.py. This test proves that the set-up cells the solutions
+copy are the lecture's. It also runs the cells
 in-process (no kernel, about a second): each solution passes its check, the unsolved exercise
 reports "not done yet", and each check rejects typical wrong answers - a check that cannot fail
 would prove nothing - with the lecture's own cost model.
@@ -32,33 +32,6 @@ def cells_by_tag(path) -> dict[str, list[str]]:
         for tag in cell.get("metadata", {}).get("tags", []):
             found.setdefault(tag, []).append(cell.source)
     return found
-
-
-def without_solution(source: str) -> str:
-    """The learner's version: the marked block becomes `raise NotImplementedError  # YOUR CODE HERE`."""
-    lines, skipping = [], False
-    for line in source.splitlines():
-        if line.strip().startswith("# BEGIN SOLUTION"):
-            indent = line[: len(line) - len(line.lstrip())]
-            lines.append(f"{indent}raise NotImplementedError  # YOUR CODE HERE")
-            skipping = True
-        elif line.strip().startswith("# END SOLUTION"):
-            skipping = False
-        elif not skipping:
-            lines.append(line)
-    return "\n".join(lines)
-
-
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("number", EXERCISES)
-def test_exercise_is_the_solution_with_the_marked_block_removed(number):
-    lecture, solutions = cells_by_tag(LECTURE), cells_by_tag(SOLUTIONS)
-    [solution] = solutions[f"solution-{number}"]
-    [exercise] = lecture[f"exercise-{number}"]
-    assert "# BEGIN SOLUTION" in solution and "# END SOLUTION" in solution
-    assert "BEGIN SOLUTION" not in exercise and "raise NotImplementedError" in exercise
-    assert exercise == without_solution(solution)
-    assert lecture[f"check-{number}"] == solutions[f"check-{number}"]
 
 
 @pytest.mark.timeout(30)

@@ -1,18 +1,22 @@
 """Every lecture's exercises cannot drift from their solutions (CONTRIBUTING.md, "Adding an exercise").
 
 nbval runs each lecture and its solutions notebook. This module checks, for every pair, what nbval
-cannot: each exercise cell of the lecture is its solution cell with every `# SOLUTION START` ...
-`# SOLUTION END` block replaced by the stub that raises; the check cells are identical in both
-notebooks; and the stored outputs end in "correct" (solutions) and "not solved yet" (lecture). Each
-lecture's tests/test_lectureNN_exercises.py runs the checks against the solutions and wrong answers.
+cannot: each exercise cell of the lecture is what `python -m ddp_course.exercises --notebooks`
+generates from its solution cell (every `# BEGIN SOLUTION` ... `# END SOLUTION` region replaced by the
+stub that raises); the check cells are identical in both notebooks; and the stored outputs end in
+"correct" (solutions) and "not solved yet" (lecture). Each lecture's tests/test_lectureNN_exercises.py
+runs the checks against the solutions and wrong answers.
 """
 
+import json
 import re
 
 import pytest
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import cells_titled, without_solution
+from ddp_course.exercises import main as exercises_main
+from ddp_course.exercises import notebook_pairs, stale_cells
+from ddp_course.notebooks import cells_titled
 
 # Lectures with exercises (lecture 2's exercises are checked by tests/test_02_collectives_exercises.py).
 LECTURES = (
@@ -25,16 +29,43 @@ def notebook_pair(name):
     return REPO_ROOT / "lectures" / f"{name}.ipynb", f"solutions/{name}_solutions.ipynb"
 
 
+PAIRS = notebook_pairs(REPO_ROOT)
+
+
+def test_every_solutions_notebook_has_its_lecture():
+    assert len(PAIRS) == len(LECTURES) + 2  # lecture 2 and the optional notebook have their own tests too
+    assert all(lecture.is_file() for lecture, _ in PAIRS), PAIRS
+
+
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("name", LECTURES)
-def test_each_exercise_is_its_solution_with_the_marked_parts_removed(name):
-    lecture, solutions_path = notebook_pair(name)
-    solutions, exercises = cells_titled(REPO_ROOT / solutions_path, "# Exercise "), cells_titled(lecture, "# Exercise ")
-    assert 1 <= len(solutions) <= 4 and solutions.keys() == exercises.keys()  # lecture 5b has one
-    for title, (solution, _) in solutions.items():
-        number = int(re.match(r"# Exercise (\d+):", title).group(1))
-        assert "# SOLUTION START" in solution and "# SOLUTION END" in solution, title
-        assert exercises[title][0] == without_solution(solution, number, solutions_path), title
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda pair: pair[0].stem)
+def test_each_exercise_is_what_the_generator_makes_of_its_solution(pair):
+    lecture_path, solutions_path = pair
+    lecture, solutions = (json.loads(path.read_text()) for path in pair)
+    shown = solutions_path.relative_to(REPO_ROOT).as_posix()
+    exercises = cells_titled(lecture_path, "# Exercise ")
+    assert 1 <= len(exercises) <= 4 and exercises.keys() == cells_titled(solutions_path, "# Exercise ").keys()
+    assert stale_cells(lecture, solutions, shown) == []
+    for title, (source, _) in exercises.items():
+        assert "BEGIN SOLUTION" not in source and "raise NotImplementedError(" in source, title
+
+
+def test_a_hand_edited_exercise_cell_is_found_stale(capsys, monkeypatch, tmp_path):
+    """The generator's --check fails, naming the cell, when a lecture's exercise drifts from its solution."""
+    for folder in ("lectures", "solutions"):
+        (tmp_path / folder).mkdir()
+    lecture_path, solutions_path = PAIRS[0]
+    (tmp_path / "solutions" / solutions_path.name).write_text(solutions_path.read_text())
+    lecture = json.loads(lecture_path.read_text())
+    cell = next(c for c in lecture["cells"] if "".join(c["source"]).startswith("# Exercise "))
+    cell["source"] = ["".join(cell["source"]).replace("raise NotImplementedError(", "return None  # (", 1)]
+    (tmp_path / "lectures" / lecture_path.name).write_text(json.dumps(lecture))
+    (tmp_path / "pyproject.toml").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert exercises_main(["--notebooks", "--check"]) == 1
+    assert "is not what solutions/" in capsys.readouterr().err
+    assert exercises_main(["--notebooks"]) == 0  # rewrites it
+    assert exercises_main(["--notebooks", "--check"]) == 0
 
 
 @pytest.mark.timeout(30)
