@@ -16,7 +16,7 @@ import pytest
 from ddp_course.launch import REPO_ROOT
 from ddp_course.exercises import main as exercises_main
 from ddp_course.exercises import notebook_pairs, stale_cells
-from ddp_course.notebooks import cells_titled
+from ddp_course.notebooks import cells_titled, shared_cells
 
 # Lectures with exercises (lecture 2's exercises are checked by tests/test_02_collectives_exercises.py).
 LECTURES = (
@@ -81,3 +81,34 @@ def test_check_cells_are_identical_and_stored_verdicts_are_honest(name):
         # a check may print what it measured first; its verdict is the last line
         assert stdout.strip().splitlines()[-1] == f"exercise {number}: correct", title
         assert lecture_checks[title][1].strip().splitlines()[-1].startswith(f"exercise {number}: not solved yet"), title
+
+
+ONE_CALL = re.compile(r"check_\w+\((\w+)\)")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda pair: pair[0].stem)
+def test_each_check_cell_is_one_call_with_what_its_exercise_defines(pair):
+    """A check cell is its title and one call, `check_...(name)`, of the name its exercise cell defines:
+    the learner's answer goes to the check as it is, with nothing else in the cell to edit or to break."""
+    lecture_path, _ = pair
+    exercises = {title.split(":")[0].split()[-1]: source for title, (source, _) in cells_titled(lecture_path, "# Exercise ").items()}
+    for title, (source, _) in cells_titled(lecture_path, "# Check exercise ").items():
+        number = re.match(r"# Check exercise (\d+)", title).group(1)
+        [call] = source.splitlines()[1:]
+        name = ONE_CALL.fullmatch(call).group(1)
+        assert re.search(rf"^(def {name}\(|class {name}\b|{name} = )", exercises[number], re.MULTILINE), (title, name)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda pair: pair[0].stem)
+def test_solutions_copy_the_lecture_set_up_cells(pair):
+    """The solutions notebook runs the lecture's own set-up cells (tag "shared"), not a drifting copy."""
+    lecture_path, solutions_path = pair
+    shared = shared_cells(solutions_path)
+    assert set(shared) <= set(shared_cells(lecture_path))
+    assert shared or lecture_path.stem in OWN_SET_UP, "a solutions notebook without the lecture's set-up cells"
+
+
+# Solutions notebooks that import what their exercises use in a first cell of their own, and share nothing.
+OWN_SET_UP = {"03_samplers"}

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from ddp_course import lecture07_checks as checks
-from ddp_course import notebooks
 from ddp_course.launch import REPO_ROOT, run_torchrun
 from ddp_course.notebooks import cells_titled, run_source
 from ddp_course.sharding import predicted_bytes_per_step
@@ -149,7 +148,6 @@ def test_check_3_rejects_wrong_backward(wrong):
 # --- the notebooks stay in step ------------------------------------------------------------------
 
 
-
 @pytest.mark.timeout(30)
 def test_check_cells_are_identical_and_stored_verdicts_are_honest():
     solution_checks, lecture_checks = cells_titled(SOLUTIONS, "# Check exercise "), cells_titled(LECTURE, "# Check exercise ")
@@ -159,12 +157,6 @@ def test_check_cells_are_identical_and_stored_verdicts_are_honest():
         assert source == lecture_checks[title][0], title
         assert stdout.strip().splitlines()[-1] == f"exercise {number}: correct", title
         assert lecture_checks[title][1].strip().splitlines()[-1].startswith(f"exercise {number}: not solved yet"), title
-
-
-@pytest.mark.timeout(30)
-def test_solutions_copy_the_lecture_set_up_cells():
-    shared = notebooks.shared_cells  # the rule lives in ddp_course.notebooks
-    assert shared(SOLUTIONS) and shared(SOLUTIONS) == shared(LECTURE)
 
 
 @pytest.mark.timeout(30)
