@@ -33,4 +33,6 @@ Only the boring parts live here; each lab keeps inline the DDP lines it teaches.
     exercises    generate an exercise file from its solution's BEGIN/END SOLUTION regions
                  (python -m ddp_course.exercises SOLUTION EXERCISE [--check])
     portability  re-run every notebook under other CPU numerics (python -m ddp_course.portability)
+    checking/    what judges a learner's work by running it: one Verdict type (verdict), the one list of
+                 collectives the tools wrap (collectives), many runs in one torchrun launch (rows)
 """

@@ -8,7 +8,6 @@ lab.py`) we form a one-process group so that the same code path runs.
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 import sys
@@ -208,37 +207,6 @@ def _join_group(backend, resolved, rank, local_rank, world_size, local_world_siz
         # An in-memory store: a group of one needs no network port.
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **options)
     return resolved, device
-
-
-@functools.cache
-def torchrun_store():
-    """torchrun's key-value store for this job (env://: MASTER_ADDR and MASTER_PORT), connected once."""
-    store, _, _ = next(dist.rendezvous("env://"))
-    return store
-
-
-def give_each_group_its_own_store_keys(prefix: str) -> None:
-    """Let one process form torchrun's default group several times (the test harness's rows, the
-    conversion checker's runs): the k-th group gets torchrun's store under the key prefix "<prefix>k/".
-
-    Under torchrun every init_process_group("env://") talks to the same key-value store with the same
-    keys, so a second group would read the first one's (now closed) addresses and fail to connect.
-    With a prefix of its own (torch's PrefixStore) each group starts as if it were a new job; rank and
-    world size still come from torchrun's environment. Replaces dist.init_process_group for good."""
-    real_init = dist.init_process_group
-    groups_formed = [0]
-
-    @functools.wraps(real_init)
-    def init_process_group(*args, **kwargs):
-        if kwargs.get("store") is None and kwargs.get("init_method") in (None, "env://"):
-            groups_formed[0] += 1
-            kwargs["store"] = dist.PrefixStore(f"{prefix}{groups_formed[0]}/", torchrun_store())
-            kwargs.setdefault("rank", int(os.environ["RANK"]))
-            kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
-            kwargs.pop("init_method", None)
-        return real_init(*args, **kwargs)
-
-    dist.init_process_group = init_process_group
 
 
 def teardown_distributed() -> None:

@@ -105,7 +105,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, get_wor
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 import ddp_course.data
-from ddp_course.distributed import give_each_group_its_own_store_keys
+from ddp_course.checking.rows import give_each_group_its_own_store_keys
 
 GRADIENT_STEPS = 3  # optimizer steps whose parameters and gradients are saved for the checker (LAB4_OBSERVE_STEPS)
 STALL_S = 5.0  # a peer silent this long (and not in this call) is taken to have skipped it

@@ -28,6 +28,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from ddp_course.checking import rows as row_runner
 from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 
 RECORDER_PATH = REPO_ROOT / "tests" / "scripts" / "record_collectives.py"
@@ -206,12 +207,12 @@ def test_a_row_forgets_only_the_courses_own_modules_never_a_library_in_a_venv_in
     repository root too; forgetting them after a row made the next row's import of numpy fail
     ("cannot load module more than once per process"). Only the course's folders are its own."""
     root = str(REPO_ROOT)
-    assert recorder.is_course_file(str(REPO_ROOT / "labs" / "lab3_ddp.py"), root)
-    assert recorder.is_course_file(str(REPO_ROOT / "solutions" / "minddp.py"), root)
-    assert not recorder.is_course_file(str(REPO_ROOT / ".venv" / "lib" / "python3.11" / "site-packages" / "numpy" / "__init__.py"), root)
-    assert not recorder.is_course_file(str(REPO_ROOT / "labs" / "env" / "lib" / "site-packages" / "numpy" / "__init__.py"), root)
-    assert not recorder.is_course_file(str(REPO_ROOT / "ddp_course" / "launch.py"), root)  # shared helpers stay loaded
-    assert not recorder.is_course_file(torch.__file__, root)
+    assert row_runner.is_course_file(str(REPO_ROOT / "labs" / "lab3_ddp.py"), root)
+    assert row_runner.is_course_file(str(REPO_ROOT / "solutions" / "minddp.py"), root)
+    assert not row_runner.is_course_file(str(REPO_ROOT / ".venv" / "lib" / "python3.11" / "site-packages" / "numpy" / "__init__.py"), root)
+    assert not row_runner.is_course_file(str(REPO_ROOT / "labs" / "env" / "lib" / "site-packages" / "numpy" / "__init__.py"), root)
+    assert not row_runner.is_course_file(str(REPO_ROOT / "ddp_course" / "launch.py"), root)  # shared helpers stay loaded
+    assert not row_runner.is_course_file(torch.__file__, root)
     import numpy  # wherever this interpreter's environment lives, its packages are never the course's
 
-    assert "numpy" not in recorder.own_modules(root) and numpy.__file__
+    assert "numpy" not in row_runner.own_modules(root) and numpy.__file__

@@ -27,14 +27,13 @@ One job instead of one per row: each torchrun start costs every rank seconds of 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import sys
 import tempfile
 import types
 from pathlib import Path
 
+from ddp_course.checking.rows import captured
 from ddp_course.distributed import setup_distributed, teardown_distributed
 from ddp_course.exercises import exercise_header, make_exercise
 from ddp_course.launch import REPO_ROOT, import_script
@@ -114,17 +113,12 @@ def run_row(name: str, ctx) -> dict:
     module_name, build, flags = ROWS[name]
     minifsdp = build(f"{name}_minifsdp")  # a fresh copy per row
     lab8.load_minifsdp = lambda module: minifsdp
-    out, err, program = io.StringIO(), io.StringIO(), sys.argv[0]
-    sys.argv[0] = str(LAB8)  # the lab's error lines start with its own name, as when torchrun runs it
     with tempfile.TemporaryDirectory(prefix="lab8_row_") as folder:  # rank 0's records are the ones written
         records = Path(folder) / "records.json"
-        try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                status = lab8.judge(lab8.parse_args(["--module", module_name, *flags, "--json", str(records)]), ctx)
-        finally:
-            sys.argv[0] = program
-        found = json.loads(records.read_text()) if records.exists() else None
-    return {"status": status, "stdout": out.getvalue(), "stderr": err.getvalue(), "records": found}
+        args = lab8.parse_args(["--module", module_name, *flags, "--json", str(records)])
+        result = captured(lambda: lab8.judge(args, ctx), LAB8)
+        result["records"] = json.loads(records.read_text()) if records.exists() else None
+    return result
 
 
 def run_rows(ctx, rows=tuple(ROWS)) -> dict:

@@ -16,12 +16,11 @@ check raised; which one, the JSON files (each written when its part finished) an
 """
 
 import argparse
-import contextlib
-import io
 import json
 import sys
 from pathlib import Path
 
+from ddp_course.checking.rows import captured
 from ddp_course.distributed import setup_distributed, teardown_distributed
 from ddp_course.launch import REPO_ROOT, import_script
 
@@ -57,15 +56,10 @@ def main() -> int:
 
 def run_lab9(ctx, parts: str, report_path: Path) -> dict:
     """Lab 9's judge() on these parts: its exit status, what rank 0 printed, and its --json report."""
-    out, err, program = io.StringIO(), io.StringIO(), sys.argv[0]
-    sys.argv[0] = lab9.__file__  # its error lines start with its own name
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            status = lab9.judge(lab9.parse_args(["--parts", parts, "--json", str(report_path)]), ctx)
-    finally:
-        sys.argv[0] = program
-    report = json.loads(report_path.read_text()) if ctx.is_main and report_path.exists() else None
-    return {"status": status, "stdout": out.getvalue(), "stderr": err.getvalue(), "report": report}
+    args = lab9.parse_args(["--parts", parts, "--json", str(report_path)])
+    result = captured(lambda: lab9.judge(args, ctx), lab9.__file__)
+    result["report"] = json.loads(report_path.read_text()) if ctx.is_main and report_path.exists() else None
+    return result
 
 
 def write_json(ctx, path: Path, content) -> None:
