@@ -14,18 +14,14 @@ Only the boring parts live here; each lab keeps inline the DDP lines it teaches.
                  the epoch, every rank's RNG state), job-wide evaluation, rank 0's buffers, CPU weights
     resume       ResumableDistributedSampler: start an epoch at a count of samples consumed, on any
                  world size; RESTART_SAFE_ENV for torchrun restarts
-    multinode    several torchrun agents on one machine (c10d rendezvous on 127.0.0.1, a free port);
-                 losing one, as a node is lost; one line naming why a multi-node launch failed
-    netns        two hosts on one Linux machine: network namespaces with their own address, hostname,
-                 /etc/hosts and firewall (root)
-    slurm_cluster  a real two-node SLURM cluster on those hosts (Debian's Slurm 22.05, munge)
-    cluster_runs lab 3 across the two hosts by hand and with sbatch, the classic failures, their facts
+    cluster/     stand-ins for a cluster on one machine: several torchrun agents as nodes, network
+                 namespaces as hosts, a real two-node SLURM cluster, lab 3 run across them
     faults       name a torch.distributed error's kind in one deterministic line (mismatch, missing
                  rank, timeout, peer gone)
     profiling    profile DDP steps per rank (chrome traces for Perfetto), read the backward span and
                  all-reduce events, an overlap summary from start/end times, a timeline plot
     launch       run a script under torchrun in a subprocess, with a timeout, GPUs hidden unless asked;
-                 import a script as a module to test its functions
+                 import a script as a module to test its functions; free ports outside the ephemeral range
     amp          which 16-bit type autocast uses on this GPU (bf16 native, else fp16 + GradScaler)
     reporting    text tables and scaling plots for the measurement labs
     notebooks    re-execute notebooks in place with stored outputs (python -m ddp_course.notebooks);

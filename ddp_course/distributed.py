@@ -138,7 +138,7 @@ class GroupJoinError(CourseError):
 
     Unlike other CourseErrors the ranks do not share one verdict: in a multi-node job one rank dials an
     address it cannot reach and the others time out waiting for it, so each rank's own line is what
-    ddp_course.multinode's diagnosis reads. Ranks other than 0 have written theirs when this is raised;
+    ddp_course.cluster.multinode's diagnosis reads. Ranks other than 0 have written theirs when this is raised;
     the lab's log_error() writes rank 0's.
     """
 
@@ -146,7 +146,7 @@ class GroupJoinError(CourseError):
 def join_failure(rank: int, backend: str, error: Exception) -> GroupJoinError:
     """One line (the error's first) instead of a traceback; written at once on ranks other than 0."""
     message = (f"rank {rank} could not join the {backend} process group: {type(error).__name__}: {first_line(str(error))} "
-               "(multi-node: python -m ddp_course.multinode OUTPUT_FILES names the cause from every node's output)")
+               "(multi-node: python -m ddp_course.cluster.multinode OUTPUT_FILES names the cause from every node's output)")
     if rank != 0:
         _write_line(sys.stderr, f"{os.path.basename(sys.argv[0])}: error: {message}")
     return GroupJoinError(message)

@@ -116,8 +116,7 @@ def run_plain_ranks(command: list, world_size_by_rank: dict, timeout_s: float = 
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from ddp_course.launch import run_command
-    from ddp_course.multinode import free_port
+    from ddp_course.launch import free_port, run_command
 
     port = free_port()
     with ThreadPoolExecutor(max_workers=len(world_size_by_rank)) as pool:

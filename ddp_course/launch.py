@@ -20,7 +20,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -149,7 +151,7 @@ def run_command(
         stdout, stderr = process.communicate(timeout=timeout_s)
         timed_out = False
     except subprocess.TimeoutExpired:
-        _kill_job(process)
+        kill_job(process)
         stdout, stderr = process.communicate()
         timed_out = True
     result = RunResult(
@@ -196,14 +198,14 @@ def child_environment(parent: dict, threads_per_rank: int | None, env: dict | No
     return full_env
 
 
-def _kill_job(process: subprocess.Popen, grace_s: float = 5) -> None:
+def kill_job(process: subprocess.Popen, grace_s: float = 5) -> None:
     """Stop a launched job and every process it started.
 
     SIGTERM first: torchrun forwards it to its workers and exits. torchrun starts each worker in a
     session of its own, so a worker that outlives it would escape a process-group kill and keep our
     output pipes open; hence the SIGKILL to every descendant found before we started killing.
     """
-    descendants = _descendant_pids(process.pid)
+    descendants = descendant_pids(process.pid)
     _signal_group(process.pid, signal.SIGTERM)
     try:
         process.wait(timeout=grace_s)
@@ -225,7 +227,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         pass
 
 
-def _descendant_pids(root_pid: int) -> list[int]:
+def descendant_pids(root_pid: int) -> list[int]:
     """Children, grandchildren... of root_pid, read from /proc (Linux); [] where there is no /proc."""
     parent_of = {}
     for stat_file in Path("/proc").glob("[0-9]*/stat"):
@@ -366,3 +368,68 @@ def copy_with_line_after(script: str | Path, anchor: str, line: str, folder: str
     copy = Path(folder) / script.name
     copy.write_text("".join(lines))
     return copy
+
+
+# --- ports -------------------------------------------------------------------------------------------
+# The ports the kernel hands out by itself, to every socket that binds port 0 (gloo's listeners,
+# srun's, get_free_port()'s): Linux's default is 32768-60999, but busy servers and some Kubernetes
+# nodes widen it (1024-65535, 15000-65000), so it is read, not assumed.
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+IANA_EPHEMERAL_RANGE = (49152, 65535)  # where there is no such file (macOS, Windows): their default
+# Below this port sit many services' fixed ports (5432, 6379, 8080, 8888...): never picked.
+QUIET_FLOOR = 10000
+_PICK = random.SystemRandom()  # not the seeded `random`: seeded processes would all pick the same ports
+
+
+def ephemeral_port_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """(first, last) of this host's ephemeral port range, as the kernel reads it."""
+    try:
+        first, last = map(int, path.read_text().split())
+    except (OSError, ValueError):
+        return IANA_EPHEMERAL_RANGE
+    return first, last
+
+
+def quiet_ports(ephemeral: tuple[int, int] | None = None) -> list[int]:
+    """The ports from QUIET_FLOOR to 65535 outside the ephemeral range (default: this host's).
+
+    The kernel never hands these out by itself, so one that is free now stays free until it is
+    bound by number. A port from the ephemeral range, however free now, goes to the next socket
+    that binds port 0 as easily as to us: labs/slurm/lab3.sbatch says how that once failed a job.
+    """
+    first, last = ephemeral or ephemeral_port_range()
+    below, above = range(QUIET_FLOOR, min(first, 65536)), range(max(last + 1, QUIET_FLOOR), 65536)  # either may be empty
+    return [*below, *above]
+
+
+def free_port(host: str = "127.0.0.1", ephemeral: tuple[int, int] | None = None) -> int:
+    """A TCP port free on host now, outside its ephemeral range (quiet_ports); bind to it soon, as it is not reserved."""
+    candidates = quiet_ports(ephemeral)
+    first, last = ephemeral or ephemeral_port_range()
+    if not candidates:
+        raise OSError(f"every port from {QUIET_FLOOR} to 65535 is in this host's ephemeral range ({first}-{last}, "
+                      f"{EPHEMERAL_RANGE_FILE}): no port is safe from the next socket that binds port 0")  # fmt: skip
+    for port in _PICK.sample(candidates, min(64, len(candidates))):
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:  # in use: try another
+                continue
+            return port
+    raise OSError(f"no free port among 64 tries from {QUIET_FLOOR} to 65535 outside {first}-{last} on {host}")
+
+
+def port_is_open(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(1.0)
+        return probe.connect_ex((host, port)) == 0
+
+
+def wait_until(condition, timeout_s: float, poll_s: float = 0.1) -> bool:
+    """Poll condition() until it is true (True) or timeout_s passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll_s)
+    return bool(condition())

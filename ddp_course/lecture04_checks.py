@@ -14,8 +14,7 @@ import os
 import sys
 from datetime import timedelta
 
-from ddp_course.launch import REPO_ROOT, import_script
-from ddp_course.multinode import free_port
+from ddp_course.launch import REPO_ROOT, free_port, import_script
 
 DEMOS = REPO_ROOT / "lectures" / "scripts" / "ddp_internals_demos.py"
 

@@ -38,9 +38,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ddp_course.cli import CourseArgumentParser, positive_float
 from ddp_course.data import DatasetSplits, load_digits
-from ddp_course.launch import LAUNCH_LOG_VARIABLE, REPO_ROOT, RunResult, append_to_launch_log, run_torchrun
+from ddp_course.launch import LAUNCH_LOG_VARIABLE, REPO_ROOT, RunResult, append_to_launch_log, free_port, run_torchrun
 from ddp_course.models import DigitsCNN
-from ddp_course.multinode import agent_command, free_port, run_agents
+from ddp_course.cluster.multinode import agent_command, run_agents
 
 OBSERVER = Path(__file__).resolve().parent / "lab4_observe.py"
 DEFAULT_SCRIPT = "labs/lab4_broken_ddp.py"
@@ -158,7 +158,7 @@ def run_job(script: Path, args, nodes: int, timeout_s: float, env: dict) -> RunR
 
     Several nodes are several torchrun agents (--nnodes=nodes, WORLD_SIZE // nodes processes each)
     that meet at a c10d rendezvous on 127.0.0.1 at a free port, as the machines of a multi-node job
-    do (ddp_course/multinode.py). On two one-process nodes LOCAL_RANK is 0 on both ranks while RANK is
+    do (ddp_course/cluster/multinode.py). On two one-process nodes LOCAL_RANK is 0 on both ranks while RANK is
     0 and 1: a script that uses LOCAL_RANK where it means RANK shows it. One RunResult for the job:
     the agents' outputs one after the other, the first non-zero exit status, timed out if any agent was.
     """

@@ -488,7 +488,7 @@ def test_a_rank_that_cannot_join_the_group_says_so_in_one_line(rank, monkeypatch
     connect to): main() returns 1 after --timeout-s with one line naming the rank and torch's error,
     where it used to raise (a traceback under torchrun). In a multi-node job each rank's line differs,
     so every rank writes its own (the wrong-interface diagnosis reads the line of whichever rank saw it)."""
-    from ddp_course.multinode import free_port
+    from ddp_course.launch import free_port
 
     environment = {"RANK": rank, "LOCAL_RANK": 0, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 1,
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}  # fmt: skip

@@ -28,10 +28,10 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from ddp_course.cluster.multinode import Agent, agent_command
 from ddp_course.distributed import DistContext
-from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
+from ddp_course.launch import REPO_ROOT, free_port, import_script, port_is_open, run_torchrun, wait_until
 from ddp_course.models import DigitsCNN
-from ddp_course.multinode import Agent, agent_command, free_port, port_is_open, wait_until
 from ddp_course.resume import RESTART_SAFE_ENV, ResumableDistributedSampler, epoch_order, samples_consumed
 
 LAB7 = REPO_ROOT / "labs" / "lab7_fault_tolerance.py"

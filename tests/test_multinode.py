@@ -1,11 +1,11 @@
 """Multi-node for real: lab 3 across two hosts with their own addresses, by hand and under SLURM.
 
-ddp_course.cluster_runs runs, once for this module and all at once: the one-node reference
+ddp_course.cluster.cluster_runs runs, once for this module and all at once: the one-node reference
 (torchrun --standalone, 2 processes); two hosts (network namespaces node1 192.168.77.1 and node2
-192.168.77.2, ddp_course.netns) with one torchrun agent each, a c10d rendezvous at node1:29400, in
+192.168.77.2, ddp_course.cluster.netns) with one torchrun agent each, a c10d rendezvous at node1:29400, in
 three scenarios (gloo's wrong interface, the same fixed by GLOO_SOCKET_IFNAME, the rendezvous port
 dropped by node1's firewall); and a real SLURM cluster of two nodes (Debian's Slurm 22.05,
-ddp_course.slurm_cluster, started once) running labs/slurm/lab3.sbatch, its twin with a
+ddp_course.cluster.slurm_cluster, started once) running labs/slurm/lab3.sbatch, its twin with a
 rendezvous endpoint that names a node that is down, and labs/slurm/srun_cpus.sbatch.
 
 It needs root, network namespaces and Debian's slurm-wlm, munge and nftables: elsewhere every test
@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_course import cluster_runs, netns
+from ddp_course.cluster import cluster_runs, netns
 from ddp_course.launch import REPO_ROOT, run_torchrun
-from ddp_course.multinode import QUIET_FLOOR, ephemeral_port_range, free_port, port_is_open, wait_until
-from ddp_course.netns import our_namespaces
+from ddp_course.launch import QUIET_FLOOR, ephemeral_port_range, free_port, port_is_open, wait_until
+from ddp_course.cluster.netns import our_namespaces
 
 SBATCH = REPO_ROOT / "labs" / "slurm" / "lab3.sbatch"
 SCRIPTS = REPO_ROOT / "tests" / "scripts"
@@ -43,7 +43,7 @@ LATE_START_S = 12
 def skip_unless_the_machine_can(needs_slurm: bool = True):
     """Skip (one line) where the cluster (or, needs_slurm False, the namespaces) cannot run; fail
     instead under DDP_COURSE_REQUIRE_CLUSTER=1."""
-    from ddp_course.slurm_cluster import unavailable_reason
+    from ddp_course.cluster.slurm_cluster import unavailable_reason
 
     reason = unavailable_reason() if needs_slurm else netns.missing_requirements()
     if reason and os.environ.get(REQUIRE_VARIABLE) == "1":
@@ -150,7 +150,7 @@ def test_sbatch_with_an_endpoint_that_names_a_node_that_is_down_fails_with_its_d
 
 @pytest.mark.timeout(600)
 def test_the_diagnosis_from_a_shell_reads_the_job_output_file(runs, facts, tmp_path, capsys):
-    from ddp_course.multinode import main
+    from ddp_course.cluster.multinode import main
 
     path = tmp_path / "lab3_2.out"
     path.write_text(runs.job_outputs["wrong endpoint"])
@@ -173,13 +173,13 @@ def test_nothing_is_left_running_after_the_runs(facts):
 
 @pytest.mark.timeout(600)
 def test_the_recorded_runs_the_lab_7_sheet_shows_are_these(facts):
-    """labs/slurm/recorded_runs.json (python -m ddp_course.cluster_runs --record) still says what happens."""
+    """labs/slurm/recorded_runs.json (python -m ddp_course.cluster.cluster_runs --record) still says what happens."""
     assert cluster_runs.comparable(facts) == cluster_runs.comparable(cluster_runs.recorded())
 
 
 def a_cluster_whose_user_fails() -> tuple[dict, dict]:
     """Start a cluster, run a job on both nodes, raise while it runs; return what ran then and what is left."""
-    from ddp_course.slurm_cluster import SlurmCluster
+    from ddp_course.cluster.slurm_cluster import SlurmCluster
 
     try:
         with SlurmCluster() as cluster:
@@ -263,7 +263,7 @@ NOBODY_JOINED = "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError
     (("ValueError: something else entirely",), "error"),
 ])  # fmt: skip
 def test_diagnose_launch_names_the_root_cause_of_a_chain_of_failures(outputs, kind):
-    from ddp_course.multinode import diagnose_launch
+    from ddp_course.cluster.multinode import diagnose_launch
 
     found = diagnose_launch(*outputs)
     assert found.kind == kind and "\n" not in str(found) and "29400" not in found.summary
@@ -310,7 +310,7 @@ def test_on_a_host_with_a_lowered_range_free_port_stays_outside_what_the_kernel_
     skip_unless_the_machine_can(needs_slurm=False)
     probe = (
         "import json, socket\n"
-        "from ddp_course.multinode import free_port\n"
+        "from ddp_course.launch import free_port\n"
         "kernel = []\n"
         "for _ in range(20):\n"
         "    with socket.socket() as s:\n"
@@ -497,7 +497,7 @@ def test_close_does_not_wait_forever_for_a_process_it_started(monkeypatch):
 
 @pytest.mark.timeout(180)
 def test_the_cleanup_command_removes_what_a_killed_session_left():
-    """`python -m ddp_course.netns --cleanup` after a session was SIGKILLed: namespaces, daemons, folder."""
+    """`python -m ddp_course.cluster.netns --cleanup` after a session was SIGKILLed: namespaces, daemons, folder."""
     skip_unless_the_machine_can(needs_slurm=False)
     session = subprocess.Popen([sys.executable, str(SCRIPTS / "abandon_hosts.py")], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     left = None
@@ -506,14 +506,14 @@ def test_the_cleanup_command_removes_what_a_killed_session_left():
         session.send_signal(signal.SIGKILL)  # no close(), no finally: block, no atexit
         session.wait(timeout=30)
         assert set(left["namespaces"]) <= set(our_namespaces()) and all(cluster_runs._alive(pid) for pid in left["pids"])
-        done = subprocess.run([sys.executable, "-m", "ddp_course.netns", "--cleanup"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+        done = subprocess.run([sys.executable, "-m", "ddp_course.cluster.netns", "--cleanup"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
         assert done.returncode == 0, done.stderr
         for namespace in left["namespaces"]:
             assert f"removed namespace {namespace} and the 1 processes in it" in done.stdout, done.stdout
         assert f"removed {left['folder']}" in done.stdout
         assert not set(left["namespaces"]) & set(our_namespaces())
         assert not any(cluster_runs._alive(pid) for pid in left["pids"]) and not Path(left["folder"]).exists()
-        again = subprocess.run([sys.executable, "-m", "ddp_course.netns", "--cleanup"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+        again = subprocess.run([sys.executable, "-m", "ddp_course.cluster.netns", "--cleanup"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
         assert (again.returncode, again.stdout) == (0, "netns: nothing left by a killed session\n")
     finally:
         if session.poll() is None:
@@ -523,6 +523,6 @@ def test_the_cleanup_command_removes_what_a_killed_session_left():
 
 
 def test_the_cleanup_command_says_what_to_do_without_its_flag():
-    done = subprocess.run([sys.executable, "-m", "ddp_course.netns"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    done = subprocess.run([sys.executable, "-m", "ddp_course.cluster.netns"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert done.returncode == 2 and done.stderr.splitlines()[-1] == (
-        "python -m ddp_course.netns: error: nothing to do: --cleanup removes what killed sessions left")
+        "python -m ddp_course.cluster.netns: error: nothing to do: --cleanup removes what killed sessions left")

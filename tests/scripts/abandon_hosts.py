@@ -7,8 +7,8 @@ hosts' folder, with nobody left to call close(). Prints one JSON line once the d
 import json
 import time
 
-from ddp_course.multinode import wait_until
-from ddp_course.netns import VirtualHosts
+from ddp_course.launch import wait_until
+from ddp_course.cluster.netns import VirtualHosts
 
 
 def running_sleep(pid: int) -> bool:

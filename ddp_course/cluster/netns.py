@@ -16,7 +16,7 @@ killed before its close() (a pytest run stopped with SIGKILL) leaves its namespa
 them and its folder; their names carry the owner's pid, so the next VirtualHosts() removes them,
 and so does, from a shell:
 
-    sudo .venv/bin/python -m ddp_course.netns --cleanup
+    sudo .venv/bin/python -m ddp_course.cluster.netns --cleanup
 
 Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN), iproute2 (`ip`), util-linux (`nsenter`, `unshare`) and,
 for block_port, nftables (`nft`).
@@ -121,12 +121,12 @@ class VirtualHosts:
         Bounded: at most END_GRACE_S + END_KILL_S for the hosts' processes, then REAP_S for each
         process start() made. A namespace whose processes outlived SIGKILL (stuck in the kernel) is
         kept, and said so on stderr: deleting its name would leave them running where no one finds
-        them; `python -m ddp_course.netns --cleanup` tries again later.
+        them; `python -m ddp_course.cluster.netns --cleanup` tries again later.
         """
         for namespace, left in end_processes_in(list(self.namespaces.values())).items():
             if left:
                 print(f"netns: kept {namespace}: processes {left} outlived SIGKILL "
-                      "(python -m ddp_course.netns --cleanup tries again)", file=sys.stderr)  # fmt: skip
+                      "(python -m ddp_course.cluster.netns --cleanup tries again)", file=sys.stderr)  # fmt: skip
             else:
                 _run(["ip", "netns", "delete", namespace], check=False)
         for process in self._processes:
@@ -309,7 +309,7 @@ def clean_up() -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddp_course.netns", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ddp_course.cluster.netns", description=__doc__.splitlines()[0])
     parser.add_argument("--cleanup", action="store_true",
                         help="remove the namespaces, daemons and folders that killed sessions left (root)")  # fmt: skip
     args = parser.parse_args(argv)

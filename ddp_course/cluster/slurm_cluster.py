@@ -1,11 +1,11 @@
 """A real SLURM cluster of two nodes on this machine: submit labs/slurm/lab3.sbatch as on a cluster.
 
-    sudo .venv/bin/python -m ddp_course.slurm_cluster            # start, submit lab 3 to 2 nodes, stop
-    sudo .venv/bin/python -m ddp_course.slurm_cluster --shell    # a shell on the login node; exit stops all
+    sudo .venv/bin/python -m ddp_course.cluster.slurm_cluster            # start, submit lab 3 to 2 nodes, stop
+    sudo .venv/bin/python -m ddp_course.cluster.slurm_cluster --shell    # a shell on the login node; exit stops all
 
 Debian's Slurm 22.05 (packages slurm-wlm and munge; installed with apt-get when missing and you
 are root): slurmctld and one slurmd per node, each node a network namespace with its own hostname
-and address (ddp_course.netns: node1 at 192.168.77.1, node2 at 192.168.77.2), so `sbatch --nodes=2`
+and address (ddp_course.cluster.netns: node1 at 192.168.77.1, node2 at 192.168.77.2), so `sbatch --nodes=2`
 starts one task on each, and lab 3's torchrun agents meet at node1's address as on a real cluster.
 The configuration is labs/slurm/local_cluster.conf, written into a temporary folder with the munge
 key, the daemons' state, spool and logs. Stopping ends every process on the nodes and removes the
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.netns import VirtualHosts, missing_requirements
+from ddp_course.cluster.netns import VirtualHosts, missing_requirements
 
 CONF_TEMPLATE = REPO_ROOT / "labs" / "slurm" / "local_cluster.conf"
 SBATCH = REPO_ROOT / "labs" / "slurm" / "lab3.sbatch"
@@ -222,7 +222,7 @@ class SlurmCluster:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddp_course.slurm_cluster", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ddp_course.cluster.slurm_cluster", description=__doc__.splitlines()[0])
     parser.add_argument("--shell", action="store_true", help="open a shell on the login node instead of the demo job")
     args = parser.parse_args(argv)
     try:

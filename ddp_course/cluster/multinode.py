@@ -7,22 +7,20 @@ with its workers is what losing a node looks like to the others.
 
 Every agent runs in a process group of its own, its output goes to files (read at any time, also
 while it runs), and every wait has a deadline, after which the agent and its workers are killed.
-An agent can also run on a host of ddp_course.netns (a network namespace with its own address):
+An agent can also run on a host of ddp_course.cluster.netns (a network namespace with its own address):
 Agent(hosts.command("node1", agent_command(...))).
 
 diagnose_launch() reads what the agents and their workers printed and names, in one line, why a
 multi-node job never started: the failures of the first minutes on a new cluster (wrong interface,
 a port the firewall drops, an endpoint nobody answers at), as ddp_course.faults does for the
-failures of a running job. From a shell: python -m ddp_course.multinode lab3_1234.out
+failures of a running job. From a shell: python -m ddp_course.cluster.multinode lab3_1234.out
 """
 
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,61 +28,7 @@ import time
 from pathlib import Path
 
 from ddp_course.faults import Diagnosis, diagnose
-from ddp_course.launch import REPO_ROOT, RunResult, _descendant_pids, _kill_job, child_environment
-
-
-# The ports the kernel hands out by itself, to every socket that binds port 0 (gloo's listeners,
-# srun's, get_free_port()'s): Linux's default is 32768-60999, but busy servers and some Kubernetes
-# nodes widen it (1024-65535, 15000-65000), so it is read, not assumed.
-EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-IANA_EPHEMERAL_RANGE = (49152, 65535)  # where there is no such file (macOS, Windows): their default
-# Below this port sit many services' fixed ports (5432, 6379, 8080, 8888...): never picked.
-QUIET_FLOOR = 10000
-_PICK = random.SystemRandom()  # not the seeded `random`: seeded processes would all pick the same ports
-
-
-def ephemeral_port_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
-    """(first, last) of this host's ephemeral port range, as the kernel reads it."""
-    try:
-        first, last = map(int, path.read_text().split())
-    except (OSError, ValueError):
-        return IANA_EPHEMERAL_RANGE
-    return first, last
-
-
-def quiet_ports(ephemeral: tuple[int, int] | None = None) -> list[int]:
-    """The ports from QUIET_FLOOR to 65535 outside the ephemeral range (default: this host's).
-
-    The kernel never hands these out by itself, so one that is free now stays free until it is
-    bound by number. A port from the ephemeral range, however free now, goes to the next socket
-    that binds port 0 as easily as to us: labs/slurm/lab3.sbatch says how that once failed a job.
-    """
-    first, last = ephemeral or ephemeral_port_range()
-    below, above = range(QUIET_FLOOR, min(first, 65536)), range(max(last + 1, QUIET_FLOOR), 65536)  # either may be empty
-    return [*below, *above]
-
-
-def free_port(host: str = "127.0.0.1", ephemeral: tuple[int, int] | None = None) -> int:
-    """A TCP port free on host now, outside its ephemeral range (quiet_ports); bind to it soon, as it is not reserved."""
-    candidates = quiet_ports(ephemeral)
-    first, last = ephemeral or ephemeral_port_range()
-    if not candidates:
-        raise OSError(f"every port from {QUIET_FLOOR} to 65535 is in this host's ephemeral range ({first}-{last}, "
-                      f"{EPHEMERAL_RANGE_FILE}): no port is safe from the next socket that binds port 0")  # fmt: skip
-    for port in _PICK.sample(candidates, min(64, len(candidates))):
-        with socket.socket() as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:  # in use: try another
-                continue
-            return port
-    raise OSError(f"no free port among 64 tries from {QUIET_FLOOR} to 65535 outside {first}-{last} on {host}")
-
-
-def port_is_open(host: str, port: int) -> bool:
-    with socket.socket() as probe:
-        probe.settimeout(1.0)
-        return probe.connect_ex((host, port)) == 0
+from ddp_course.launch import REPO_ROOT, RunResult, child_environment, descendant_pids, kill_job, port_is_open, wait_until
 
 
 def agent_command(script, args=(), nnodes="2", nproc=1, endpoint="127.0.0.1:29400", rdzv_id="job", torchrun_args=()):
@@ -120,7 +64,7 @@ class Agent:
             self.process.wait(timeout=max(timeout_s, 0))
             timed_out = False
         except subprocess.TimeoutExpired:
-            _kill_job(self.process)
+            kill_job(self.process)
             timed_out = True
         self._err.seek(0)
         return RunResult(
@@ -130,22 +74,12 @@ class Agent:
 
     def lose_node(self) -> None:
         """SIGKILL the agent and every worker it started (they run in sessions of their own): a node is gone."""
-        for pid in [self.process.pid, *_descendant_pids(self.process.pid)]:
+        for pid in [self.process.pid, *descendant_pids(self.process.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         self.process.wait()
-
-
-def wait_until(condition, timeout_s: float, poll_s: float = 0.1) -> bool:
-    """Poll condition() until it is true (True) or timeout_s passed (False)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(poll_s)
-    return bool(condition())
 
 
 def run_agents(commands, timeout_s: float, env=None, stagger_host: tuple[str, int] | None = None) -> list[RunResult]:
@@ -162,7 +96,7 @@ def run_agents(commands, timeout_s: float, env=None, stagger_host: tuple[str, in
     return [agent.wait(deadline - time.monotonic()) for agent in agents]
 
 
-# What torch 2.14 prints for each failure (ddp_course.cluster_runs produces every one on two virtual hosts).
+# What torch 2.14 prints for each failure (ddp_course.cluster.cluster_runs produces every one on two virtual hosts).
 _LOOPBACK_PEER = re.compile(r"Gloo connectFullMesh failed with .*?remote=\[(127\.[\d.]+)\]")
 _STORE_CONNECT_TIMEOUT = re.compile(r"client socket has timed out after (\d+)ms while trying to connect to \(([^,]+),")
 _STORE_NO_ROUTE = re.compile(r"failed to connect to any network address of \(([^,]+),.*No route to host")
@@ -212,10 +146,10 @@ def _diagnose_one(text: str) -> Diagnosis:
 
 
 def main(argv=None) -> int:
-    """python -m ddp_course.multinode FILE...: one line naming why the launch whose output is in FILE failed."""
+    """python -m ddp_course.cluster.multinode FILE...: one line naming why the launch whose output is in FILE failed."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m ddp_course.multinode", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m ddp_course.cluster.multinode", description=main.__doc__)
     parser.add_argument("files", nargs="+", help="a SLURM job's output file, or each node's torchrun output")
     args = parser.parse_args(argv)
     try:

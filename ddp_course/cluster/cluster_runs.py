@@ -1,10 +1,10 @@
 """Lab 7 section 6's runs: lab 3 across two hosts of their own, by hand and with SLURM, and what breaks.
 
-    sudo .venv/bin/python -m ddp_course.cluster_runs            # run them (a minute or two), print the facts
-    sudo .venv/bin/python -m ddp_course.cluster_runs --record   # and store them in labs/slurm/recorded_runs.json
+    sudo .venv/bin/python -m ddp_course.cluster.cluster_runs            # run them (a minute or two), print the facts
+    sudo .venv/bin/python -m ddp_course.cluster.cluster_runs --record   # and store them in labs/slurm/recorded_runs.json
 
 Every run is lab 3 for 6 steps (as tests/test_lab3_ddp.py's equivalence runs), one process per
-host, on the virtual hosts of ddp_course.netns (node1 at 192.168.77.1, node2 at 192.168.77.2):
+host, on the virtual hosts of ddp_course.cluster.netns (node1 at 192.168.77.1, node2 at 192.168.77.2):
 
     reference      one node: torchrun --standalone --nproc_per_node=2; the weights everything is compared with
     by hand        one torchrun agent per host, c10d rendezvous at node1:29400 (the namespaces are this
@@ -13,7 +13,7 @@ host, on the virtual hosts of ddp_course.netns (node1 at 192.168.77.1, node2 at 
                          writes it: gloo advertises that address for node2, and node1 cannot reach it
       GLOO_SOCKET_IFNAME the same hosts with GLOO_SOCKET_IFNAME=eth0: trains
       blocked port       node1's firewall (nftables) drops port 29400 from the network
-    SLURM          ddp_course.slurm_cluster: `sbatch --nodes=2 labs/slurm/lab3.sbatch`, its twin with
+    SLURM          ddp_course.cluster.slurm_cluster: `sbatch --nodes=2 labs/slurm/lab3.sbatch`, its twin with
                    RDZV_ENDPOINT=node3:29400 (a node that is down), and labs/slurm/srun_cpus.sbatch
 
 All start at once: the failing runs mostly wait for their timeouts (see FAIL_FAST_RDZV and
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_course.launch import REPO_ROOT, RunResult, child_environment, run_torchrun
-from ddp_course.multinode import Agent, agent_command, diagnose_launch
-from ddp_course.netns import ABSENT_HOST, DEBIAN_LOOPBACK_NAME_ADDRESS, INTERFACE, VirtualHosts
+from ddp_course.cluster.multinode import Agent, agent_command, diagnose_launch
+from ddp_course.cluster.netns import ABSENT_HOST, DEBIAN_LOOPBACK_NAME_ADDRESS, INTERFACE, VirtualHosts
 
 LAB3 = REPO_ROOT / "labs" / "lab3_ddp.py"
 SBATCH = REPO_ROOT / "labs" / "slurm" / "lab3.sbatch"
@@ -119,7 +119,7 @@ def _by_hand(runs: Runs, scenario: str, node2_late_s: float = 0) -> list[RunResu
 
 
 def _slurm_runs(runs: Runs) -> None:
-    from ddp_course.slurm_cluster import SlurmCluster  # a module that needs the packages only when it runs
+    from ddp_course.cluster.slurm_cluster import SlurmCluster  # a module that needs the packages only when it runs
 
     environment = child_environment({}, 1, {"NPROC_PER_NODE": "1"}, use_gpus=False)  # one thread per rank, no GPU
     def lab3_args(name):
@@ -240,15 +240,15 @@ def lines(found: dict) -> list[str]:
 
 
 def recorded() -> dict:
-    """The facts stored in labs/slurm/recorded_runs.json by `python -m ddp_course.cluster_runs --record`."""
+    """The facts stored in labs/slurm/recorded_runs.json by `python -m ddp_course.cluster.cluster_runs --record`."""
     return json.loads(RECORD.read_text())["facts"]
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddp_course.cluster_runs", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ddp_course.cluster.cluster_runs", description=__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true", help=f"store the facts in {RECORD.relative_to(REPO_ROOT)}")
     args = parser.parse_args(argv)
-    from ddp_course.slurm_cluster import ClusterUnavailable, ensure_installed, unavailable_reason
+    from ddp_course.cluster.slurm_cluster import ClusterUnavailable, ensure_installed, unavailable_reason
 
     try:
         ensure_installed()
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
         found = facts(run_all(workdir))
     print("\n".join(lines(found)))
     if args.record:
-        produced_by = "python -m ddp_course.cluster_runs --record (never edited by hand)"
+        produced_by = "python -m ddp_course.cluster.cluster_runs --record (never edited by hand)"
         RECORD.write_text(json.dumps({"produced_by": produced_by, "facts": found}, indent=1) + "\n")
         print(f"recorded in {RECORD.relative_to(REPO_ROOT)}")
     return 0
