@@ -9,6 +9,8 @@ Only the boring parts live here; each lab keeps inline the DDP lines it teaches.
                  the standard library's source as character-level text (lab 6)
     models       DigitsCNN, the CIFAR-10 resnet18 and CharTransformer (lab 6's decoder-only transformer)
     compare      max_relative_difference() between two state_dicts
+    char_lm_job  the job labs 6, 8 and 9 share: the character-level transformer, its global batch and
+                 each rank's rows, job-wide maxima, eps-derived tolerances, deadlines and step timing
     checkpoint   atomic, rank-0 checkpoints that load with weights_only=True
     training     what lab 3 and lab 7 share: training-state save/restore (model, optimizer, position in
                  the epoch, every rank's RNG state), job-wide evaluation, rank 0's buffers, CPU weights

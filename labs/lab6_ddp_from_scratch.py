@@ -48,12 +48,8 @@ With --train-steps 300 the job-wide loss falls from 4.64 (ln 97: uniform guessin
 """
 
 import functools
-import os
 import statistics
 import sys
-import threading
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -62,27 +58,23 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+# The job labs 6, 8 and 9 share: model, batch, verdicts, timing (MODEL_SHAPE: the lab sheet reads it as lab6.MODEL_SHAPE).
+from ddp_course.char_lm_job import (
+    CHECK_LR, CONTEXT, EPS_PER_STEP, MODEL_SHAPE, deadline, global_batch, job_max, load_learner_module, median_ratio,
+    my_rows, new_model, seconds_per_step,
+)
 from ddp_course.checkpoint import atomic_write_json
 from ddp_course.cli import CourseArgumentParser, CourseError, non_negative_int, positive_float, positive_int
-from ddp_course.data import TEXT_VOCAB_SIZE, encode_text, load_stdlib_text, sample_windows, text_splits
+from ddp_course.data import encode_text, load_stdlib_text, text_splits
 from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
-from ddp_course.launch import import_script
-from ddp_course.models import CharTransformer
 from ddp_course.profiling import phase, profile_steps
 from ddp_course.reporting import format_table
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IMPLS = ("naive", "overlap", "bucketed", "torch")
 WRAPPER_CLASS = {"naive": "NaiveDDP", "overlap": "OverlapDDP", "bucketed": "BucketedDDP"}
-CONTEXT = 64  # characters per window
-MODEL_SHAPE = {"context": CONTEXT, "d_model": 128, "n_layers": 4, "n_heads": 4}
-CHECK_LR = 0.1  # plain SGD for the check: its update is linear in the gradient, so rounding stays rounding
 ZERO_LR = 1e-3  # AdamW for the --zero check: an optimizer with state worth sharding (two moments per weight)
 PROFILED_STEPS = 3
-# Differences between two correct runs come from summing in another order: about eps relative per
-# operation, compounded over the layers and the steps. 64 eps per step, relative to the largest weight,
-# leaves a margin of about 100x above the differences seen (1e-7 to 6e-7) and 10x below the control.
-EPS_PER_STEP = 64
 SMALL_ROWS_PER_RANK = 4  # the small models' batch: 4 rows of 6 features per rank
 ONE_BUCKET_PER_PARAMETER_MB = 1e-9  # below any tensor's size: BucketedDDP launches every gradient on its own
 
@@ -138,12 +130,9 @@ def parse_args(argv=None):
 
 
 def load_minddp(module: str, file: str | None = None, needed=()):
-    """labs/minddp.py or solutions/minddp.py (or --file), imported by path (labs/ and solutions/ are not
-    packages). With --file, every name in needed must be in it: one line says which is not."""
-    path = Path(file) if file else REPO_ROOT / module / "minddp.py"
-    if not path.is_file():
-        raise CourseError(f"{path} is missing: --module {module} needs it")
-    loaded = import_script(path, name=f"{path.stem}_minddp")
+    """labs/minddp.py or solutions/minddp.py (or --file). With --file, every name in needed must be in it:
+    one line says which is not."""
+    loaded = load_learner_module(module, "minddp", file, root=REPO_ROOT)
     missing = [name for name in needed if not hasattr(loaded, name)]
     if file and missing:
         raise CourseError(f"{file} defines no {', '.join(missing)}: write it there, or pick another --impl (the stretch goal is --impl naive)")
@@ -164,23 +153,6 @@ def wrap(impl: str, model, minddp, cap_mb, ctx):
     if impl == "bucketed":  # BucketedDDP has no small-first-bucket rule: "default" is its plain 25 MiB
         return minddp.BucketedDDP(model) if cap_mb == "default" else minddp.BucketedDDP(model, bucket_cap_mb=cap_mb)
     return getattr(minddp, WRAPPER_CLASS[impl])(model) if impl in WRAPPER_CLASS else model
-
-
-def new_model(args, ctx):
-    torch.manual_seed(args.seed)  # every rank and every implementation starts from the same weights
-    return CharTransformer(TEXT_VOCAB_SIZE, **MODEL_SHAPE).to(ctx.device)
-
-
-def global_batch(tokens, generator, args, ctx):
-    """The job's batch, (world_size x batch_size, CONTEXT) inputs and targets; every rank draws the same."""
-    inputs, targets = sample_windows(tokens, args.batch_size * ctx.world_size, CONTEXT, generator)
-    return inputs.to(ctx.device), targets.to(ctx.device)
-
-
-def my_rows(tensor, ctx):
-    """This rank's shard: rows [rank x B, (rank + 1) x B) of the global batch."""
-    per_rank = len(tensor) // ctx.world_size
-    return tensor[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
 
 
 def training_step(model, optimizer, inputs, targets) -> torch.Tensor:
@@ -210,13 +182,6 @@ def weights_after_sgd(args, ctx, tokens, minddp, impl: str, make_optimizer=None)
             inputs, targets = my_rows(inputs, ctx), my_rows(targets, ctx)
         training_step(trained, optimizer, inputs, targets)
     return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-def job_max(value: float, ctx) -> float:
-    """The largest value over all ranks."""
-    tensor = torch.tensor([value], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor)
 
 
 def check(args, ctx, tokens, minddp) -> dict:
@@ -338,27 +303,6 @@ def check_small_models(args, ctx, minddp, impl: str) -> dict:
     return {"small_models_max_abs_diff": diffs, "small_models_passed": passed}
 
 
-@contextmanager
-def deadline(seconds: float, case: str):
-    """Turn a hang into a FAIL line: if the block is still running after `seconds`, say so and end this
-    process (torchrun then stops the other ranks). A timer thread, not only the process group's timeout,
-    so that a Python loop waiting for a gradient that never comes is caught too."""
-
-    def give_up():
-        log(f"  {case}   FAIL: still running after {seconds:g} s (--case-timeout-s): a hang", every_rank=True)
-        sys.stderr.write(f"{Path(sys.argv[0]).name}: error: the check FAILED: {case.split()[0]} hung\n")
-        sys.stderr.flush()
-        os._exit(1)  # the main thread may be stuck inside a collective: no clean teardown is possible
-
-    timer = threading.Timer(seconds, give_up)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-
-
 def check_zero(args, ctx, tokens, minddp) -> bool:
     """Part 4: torch DDP stepping your ShardedOptimizer(AdamW) must end with the weights of torch DDP
     stepping AdamW itself, while the fullest rank keeps at most 1/world_size of AdamW's state plus one
@@ -383,17 +327,6 @@ def check_zero(args, ctx, tokens, minddp) -> bool:
         f"(at most 1/world_size + largest tensor / all = {1 / ctx.world_size:.2f} + {max(sizes) / sum(sizes):.2f})   "
         f"{'PASS' if passed else 'FAIL'}")
     return passed
-
-
-def seconds_per_step(step, steps: int, ctx) -> float:
-    """This job's time per step: the slowest rank's, since every step ends in the same all-reduce."""
-    dist.barrier()  # start together, so no rank's clock includes waiting for a late peer
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize()  # GPU work is asynchronous: wait for it before reading the clock
-    return job_max((time.perf_counter() - start) / steps, ctx)
 
 
 def time_and_profile(args, ctx, tokens, minddp) -> dict:
@@ -449,14 +382,6 @@ def train(args, ctx, tokens, minddp, impl: str) -> list[list]:
             log(f"  step {step:4d}  loss {curve[-1][1]:.3f}  (mean over steps {step - len(window) + 1}-{step}, all ranks)")
             window = []
     return curve
-
-
-def median_ratio(times: dict, impl: str, other: str) -> float | None:
-    """Median over repeats of impl's time / other's time IN THE SAME REPEAT: the two ran back to back,
-    so a change in the machine's load between repeats cancels out (a ratio of medians would not)."""
-    if not times.get(impl) or not times.get(other):
-        return None
-    return statistics.median(mine / theirs for mine, theirs in zip(times[impl], times[other]))
 
 
 def verdict(impl: str, diffs: dict, tolerance: float) -> str:

@@ -61,6 +61,10 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_course.char_lm_job import (  # the job labs 6, 8 and 9 share: model, batch, verdicts, timing
+    CHECK_LR, CONTEXT, EPS_PER_STEP, deadline, global_batch, job_max, load_learner_module, median_ratio, my_rows,
+    new_model, seconds_per_step,
+)
 from ddp_course.checkpoint import atomic_write_json
 from ddp_course.cli import CourseArgumentParser, CourseError, non_negative_int, positive_float, positive_int
 from ddp_course.data import encode_text, load_stdlib_text, text_splits
@@ -71,7 +75,6 @@ from ddp_course.sharding import StepWatch, count_collectives, cuda_peak, model_s
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Lab 6's model, data, batch and timing helpers, used as they are: the same workload, the same clock.
-lab6 = import_script(REPO_ROOT / "labs" / "lab6_ddp_from_scratch.py", "lab6_ddp_from_scratch")
 IMPLS = ("ddp", "zero1", "zero2", "fsdp", "fully_shard", "fully_shard_keep")
 # The bytes-per-step formula each follows: fully_shard_keep all-gathers once and reduce-scatters, as ZeRO-2.
 STAGE = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsdp", "fully_shard": "fsdp", "fully_shard_keep": "zero2"}
@@ -95,7 +98,7 @@ def parse_args(argv=None):
                         help="check --module's minifsdp.py, parts 1 to PART only (3: the whole check of --impl fsdp), and stop")
     parser.add_argument("--fsdp-units", choices=("blocks", "matrices"), default="blocks",
                         help="what --impl fsdp sends in one message: each block's weights (as fully_shard) or each matrix")
-    parser.add_argument("--batch-size", type=positive_int, default=4, help=f"windows of {lab6.CONTEXT} characters per rank")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help=f"windows of {CONTEXT} characters per rank")
     parser.add_argument("--check-steps", type=positive_int, default=3, help="SGD steps of the correctness check")
     parser.add_argument("--warmup-steps", type=positive_int, default=2, help="untimed AdamW steps first")
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per repeat")
@@ -115,18 +118,15 @@ def parse_args(argv=None):
 
 
 def load_minifsdp(module: str):
-    """labs/minifsdp.py or solutions/minifsdp.py, imported by path (labs/ and solutions/ are not packages)."""
-    path = REPO_ROOT / module / "minifsdp.py"
-    if not path.is_file():
-        raise CourseError(f"{path} is missing: --module {module} needs it")
-    return import_script(path, name=f"{module}_minifsdp")
+    """labs/minifsdp.py (the exercise) or solutions/minifsdp.py (the finished version)."""
+    return load_learner_module(module, "minifsdp", root=REPO_ROOT)
 
 
 class Trained:
     """One implementation around a fresh model: what steps, what the optimizer sees, the full weights."""
 
     def __init__(self, impl: str, args, ctx, modules: dict, make_optimizer):
-        self.impl, self.model = impl, lab6.new_model(args, ctx)  # the same weights on every rank
+        self.impl, self.model = impl, new_model(args, ctx)  # the same weights on every rank
         self.wrapped = wrap(impl, self.model, args, ctx, modules)
         self.optimizer = make_optimizer(self.wrapped)
 
@@ -190,16 +190,16 @@ def make_optimizer(impl: str, modules: dict, optimizer_cls, **kwargs):
 
 def check(args, ctx, tokens, modules) -> dict:
     """Per implementation, max |w - w_single| over the job after --check-steps SGD steps, and the verdict."""
-    sgd = functools.partial(make_optimizer, optimizer_cls=torch.optim.SGD, lr=lab6.CHECK_LR)
+    sgd = functools.partial(make_optimizer, optimizer_cls=torch.optim.SGD, lr=CHECK_LR)
     single = weights_after(args, ctx, tokens, Trained("single process", args, ctx, modules, sgd("single process", modules)))
-    tolerance = lab6.EPS_PER_STEP * args.check_steps * torch.finfo(torch.float32).eps * float(single.abs().max())
+    tolerance = EPS_PER_STEP * args.check_steps * torch.finfo(torch.float32).eps * float(single.abs().max())
     log(f"check: {args.check_steps} SGD steps, {ctx.world_size} shards of {args.batch_size} windows vs one process on all "
-        f"{args.batch_size * ctx.world_size}; tolerance {tolerance:.2g} ({lab6.EPS_PER_STEP} x steps x float32 eps x max|w|)")
+        f"{args.batch_size * ctx.world_size}; tolerance {tolerance:.2g} ({EPS_PER_STEP} x steps x float32 eps x max|w|)")
     results = {}
     for impl in ["no sync"] + args.impls:
-        with lab6.deadline(args.case_timeout_s, f"{impl:<16} the check"):
+        with deadline(args.case_timeout_s, f"{impl:<16} the check"):
             trained = Trained(impl, args, ctx, modules, sgd(impl, modules))
-            difference = lab6.job_max(float((weights_after(args, ctx, tokens, trained) - single).abs().max()), ctx)
+            difference = job_max(float((weights_after(args, ctx, tokens, trained) - single).abs().max()), ctx)
         close = difference <= tolerance
         verdict = ("CONTROL DID NOT DIFFER" if close else "differs (control)") if impl == "no sync" else ("PASS" if close else "FAIL")
         results[impl] = {"max_abs_diff_vs_single_process": difference, "tolerance": tolerance, "verdict": verdict}
@@ -210,9 +210,9 @@ def check(args, ctx, tokens, modules) -> dict:
 def weights_after(args, ctx, tokens, trained: Trained) -> torch.Tensor:
     generator = torch.Generator().manual_seed(args.seed)  # the same batches for every implementation
     for _ in range(args.check_steps):
-        inputs, targets = lab6.global_batch(tokens, generator, args, ctx)
+        inputs, targets = global_batch(tokens, generator, args, ctx)
         if trained.impl != "single process":
-            inputs, targets = lab6.my_rows(inputs, ctx), lab6.my_rows(targets, ctx)
+            inputs, targets = my_rows(inputs, ctx), my_rows(targets, ctx)
         trained.step(inputs, targets)
     return trained.full_weights()
 
@@ -221,7 +221,7 @@ def measure(args, ctx, tokens, modules) -> tuple[dict, dict]:
     """AdamW: per implementation the fullest rank's model state between steps, the weights it holds at the
     fullest moment of a step, and one step's communication; then the step times, {impl: [seconds per step,
     one per repeat]}, the order rotating each repeat."""
-    inputs, targets = (lab6.my_rows(t, ctx) for t in lab6.global_batch(tokens, torch.Generator().manual_seed(args.seed), args, ctx))
+    inputs, targets = (my_rows(t, ctx) for t in global_batch(tokens, torch.Generator().manual_seed(args.seed), args, ctx))
     adamw = functools.partial(make_optimizer, optimizer_cls=torch.optim.AdamW, lr=ADAMW_LR)
     trained, measured = {}, {}
     for impl in args.impls:
@@ -236,20 +236,20 @@ def measure(args, ctx, tokens, modules) -> tuple[dict, dict]:
         peaks = {"weights_peak_bytes": watch.peak(), "gathered_peak_bytes": watch.peak("gathered"),
                  "gathered_after_forward_bytes": watch.at("after forward")["gathered"]}  # fmt: skip
         measured[impl] = {
-            "model_state_bytes": {kind: int(lab6.job_max(value, ctx)) for kind, value in state.items()},
-            **{key: int(lab6.job_max(value, ctx)) for key, value in peaks.items()},
+            "model_state_bytes": {kind: int(job_max(value, ctx)) for kind, value in state.items()},
+            **{key: int(job_max(value, ctx)) for key, value in peaks.items()},
             # GPU track (NOT YET RUN on a GPU): the allocator's peak over building, warm-up and the measured step
-            "cuda_peak_allocated_bytes": None if cuda["bytes"] is None else int(lab6.job_max(cuda["bytes"], ctx)),
+            "cuda_peak_allocated_bytes": None if cuda["bytes"] is None else int(job_max(cuda["bytes"], ctx)),
             "collective_bytes_by_kind": counter.bytes_by_kind(),
             "messages_per_step": len(counter.calls),  # each pays the fixed latency alpha, whatever its size
             "ring_model_bytes_per_step": counter.ring_model_bytes_per_rank(ctx.world_size),
-            "bytes_per_step_predicted": predicted(impl, lab6.new_model(args, ctx), ctx.world_size),
+            "bytes_per_step_predicted": predicted(impl, new_model(args, ctx), ctx.world_size),
         }
     times = {impl: [] for impl in args.impls}
     for repeat in range(args.repeats):
         shift = repeat % len(args.impls)
         for impl in args.impls[shift:] + args.impls[:shift]:
-            times[impl].append(lab6.seconds_per_step(lambda t=trained[impl]: t.step(inputs, targets), args.steps, ctx))
+            times[impl].append(seconds_per_step(lambda t=trained[impl]: t.step(inputs, targets), args.steps, ctx))
     return measured, times
 
 
@@ -310,7 +310,7 @@ def predicted(impl: str, bare_model, world_size: int) -> float:
 
 def modules_for(impls, module: str = "solutions") -> dict:
     """The from-scratch code the implementations need: lab 6's ShardedOptimizer, ZeRO-2, an FSDP."""
-    modules = {"minddp": lab6.load_minddp("solutions")} if "zero1" in impls else {}
+    modules = {"minddp": load_learner_module("solutions", "minddp", root=REPO_ROOT)} if "zero1" in impls else {}
     if "zero2" in impls:
         modules["minizero2"] = import_script(REPO_ROOT / "labs" / "minizero2.py", "minizero2")
     if "fsdp" in impls:
@@ -322,13 +322,13 @@ def run(args, ctx) -> tuple[list[dict], bool]:
     modules = modules_for(args.impls, args.module)
     tokens, _ = text_splits(encode_text(load_stdlib_text()))
     log(f"config: impls={','.join(args.impls)} module={args.module} world_size={ctx.world_size} backend={ctx.backend} "
-        f"device={ctx.device.type} batch={args.batch_size}x{lab6.CONTEXT} characters/rank")
+        f"device={ctx.device.type} batch={args.batch_size}x{CONTEXT} characters/rank")
     checked = check(args, ctx, tokens, modules)
     control_differs = checked["no sync"]["verdict"] == "differs (control)"
     measured, times = measure(args, ctx, tokens, modules)
     median = {impl: statistics.median(t) for impl, t in times.items() if t}
     ddp_total = measured.get("ddp", {}).get("model_state_bytes", {}).get("total")
-    bound = gathered_bound(lab6.new_model(args, ctx), args, ctx.world_size)
+    bound = gathered_bound(new_model(args, ctx), args, ctx.world_size)
     records = [{
         "impl": impl, "module": args.module if impl == "fsdp" else ("solutions" if impl == "zero1" else "torch"),
         "fsdp_units": args.fsdp_units if impl == "fsdp" else None,
@@ -339,7 +339,7 @@ def run(args, ctx) -> tuple[list[dict], bool]:
         "bytes_vs_formula": ratio(measured[impl]["ring_model_bytes_per_step"], measured[impl]["bytes_per_step_predicted"]),
         "state_vs_ddp": measured[impl]["model_state_bytes"]["total"] / ddp_total if ddp_total else None,
         "step_time_s": median.get(impl), "step_times_s": times.get(impl, []),
-        "vs_fully_shard": lab6.median_ratio(times, impl, "fully_shard"),
+        "vs_fully_shard": median_ratio(times, impl, "fully_shard"),
     } for impl in args.impls]  # fmt: skip
     for record in records:
         record["failures"] = failures(record)
@@ -393,7 +393,7 @@ def check_parts(args, ctx) -> bool:
     minifsdp, passed = load_minifsdp(args.module), []
 
     def verdict(part: int, name: str, ok: bool, detail: str) -> None:
-        ok = bool(lab6.job_max(0.0 if ok else 1.0, ctx) == 0)  # a check passes when it passes on every rank
+        ok = bool(job_max(0.0 if ok else 1.0, ctx) == 0)  # a check passes when it passes on every rank
         passed.append(ok)
         log(f"part {part}  {'PASS' if ok else 'FAIL'}  {name}: {detail}")
 
@@ -402,7 +402,7 @@ def check_parts(args, ctx) -> bool:
     verdict(1, "shard_rows", all(s.shape == (4, 2) and s.dtype == torch.float32 for s in slices)
             and torch.equal(torch.cat(slices)[:13], full) and not torch.cat(slices)[13:].any(),
             "13 rows over 4 ranks: slices of 4 rows, in rank order, the 3 rows past the end zero")  # fmt: skip
-    model = lab6.new_model(args, ctx)
+    model = new_model(args, ctx)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     wrapped = minifsdp.FSDP(model, units=list(model.blocks))
     after = wrapped.gather_full_params()
@@ -410,14 +410,14 @@ def check_parts(args, ctx) -> bool:
             "every weight whole again, equal to the model's before sharding")
     if args.part >= 2:  # forward only (no graph: nothing of part 3 runs), against the unsharded model
         tokens, _ = text_splits(encode_text(load_stdlib_text()))
-        inputs = lab6.my_rows(lab6.global_batch(tokens, torch.Generator().manual_seed(args.seed), args, ctx)[0], ctx)
+        inputs = my_rows(global_batch(tokens, torch.Generator().manual_seed(args.seed), args, ctx)[0], ctx)
         watch = StepWatch({"gathered": lambda: [handle.full for handle in wrapped.sharded.values()]})
         with torch.no_grad(), watch.during(model, wrapped):
-            logits, expected = wrapped(inputs), lab6.new_model(args, ctx)(inputs)
-        tolerance = lab6.EPS_PER_STEP * torch.finfo(torch.float32).eps * float(expected.abs().max())
+            logits, expected = wrapped(inputs), new_model(args, ctx)(inputs)
+        tolerance = EPS_PER_STEP * torch.finfo(torch.float32).eps * float(expected.abs().max())
         difference = float((logits - expected).abs().max())
         verdict(2, "forward", difference <= tolerance, f"logits equal the unsharded model's: max difference {difference:.1e} <= {tolerance:.1e}")
-        bound, slices_shown = gathered_bound(lab6.new_model(args, ctx), args, ctx.world_size), all(
+        bound, slices_shown = gathered_bound(new_model(args, ctx), args, ctx.world_size), all(
             getattr(m, name) is p for m in model.modules() for name, p in m.named_parameters(recurse=False))
         verdict(2, "full weights only around their use", watch.at("after forward")["gathered"] == 0 and watch.peak() <= bound and slices_shown,
                 f"after forward {watch.at('after forward')['gathered']:,} B gathered, modules show their slices again: {slices_shown}; "

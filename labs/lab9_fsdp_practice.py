@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ddp_course import char_lm_job  # the job labs 6, 8 and 9 share: model, batch, verdicts, timing
 from ddp_course.checkpoint import atomic_write_json
 from ddp_course.cli import CourseArgumentParser, CourseError, positive_float
 from ddp_course.data import encode_text, load_stdlib_text, sample_windows, text_splits
@@ -66,7 +67,6 @@ from ddp_course.sharding import StepWatch, bytes_written, count_collectives, opt
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Lab 8's implementations, model, batches and accounting, used as they are; lab 6's through it.
 lab8 = import_script(REPO_ROOT / "labs" / "lab8_fsdp.py", "lab8_fsdp")
-lab6 = lab8.lab6
 PARTS = ("memory", "meta", "checkpoint", "clip", "hsdp", "resume")
 FOUR_RANK_PARTS = ("hsdp", "resume")
 MEMORY_IMPLS = ("ddp", "zero1", "zero2", "fsdp", "fully_shard", "fully_shard_keep")
@@ -123,7 +123,7 @@ def windows_per_step(world_size: int) -> int:
 
 def global_batch(args, ctx, tokens, step: int):
     """Step `step`'s global batch, the same on every rank (its size depends on the job's world size only)."""
-    windows = sample_windows(tokens, windows_per_step(ctx.world_size), lab6.CONTEXT, torch.Generator().manual_seed(args.seed + step))
+    windows = sample_windows(tokens, windows_per_step(ctx.world_size), char_lm_job.CONTEXT, torch.Generator().manual_seed(args.seed + step))
     return tuple(t.to(ctx.device) for t in windows)
 
 
@@ -163,8 +163,8 @@ def memory_timeline(impl: str, args, ctx, modules, tokens) -> dict:
         largs = lab8_args(args)
         make = lab8.make_optimizer(impl, modules, torch.optim.AdamW, lr=lab8.ADAMW_LR)
         trained = lab8.Trained(impl, largs, ctx, modules, make)
-        batch = lab6.global_batch(tokens, torch.Generator().manual_seed(args.seed), largs, ctx)
-        inputs, targets = (lab6.my_rows(t, ctx) for t in batch)
+        batch = char_lm_job.global_batch(tokens, torch.Generator().manual_seed(args.seed), largs, ctx)
+        inputs, targets = (char_lm_job.my_rows(t, ctx) for t in batch)
         trained.step(inputs, targets)  # warm-up: Adam's state exists, DDP's buckets are built, fully_shard initialised
         own, saved = lab8.kept(trained), SavedActivations()
         watch = SampledAlongside(allocator, {"parameters": lambda: own, "gathered": lambda: lab8.gathered_now(trained),
@@ -177,7 +177,7 @@ def memory_timeline(impl: str, args, ctx, modules, tokens) -> dict:
     measured = torch.tensor(allocator.at_samples, dtype=torch.float64, device=ctx.device)
     dist.all_reduce(measured, op=dist.ReduceOp.MAX)
     return {"labels": [label for label, _ in watch.samples], "bytes": counted.long().tolist(),
-            "measured_bytes": measured.long().tolist(), "measured_peak_bytes": int(lab6.job_max(allocator.peak, ctx)),
+            "measured_bytes": measured.long().tolist(), "measured_peak_bytes": int(char_lm_job.job_max(allocator.peak, ctx)),
             "ring_model_bytes_per_step": counter.ring_model_bytes_per_rank(ctx.world_size), "messages_per_step": len(counter.calls)}
 
 
@@ -216,7 +216,7 @@ def counted_step(impl: str, trained, watch: StepWatch, saved: SavedActivations, 
 def model_sizes(args, ctx, world_size: int) -> dict:
     """The bytes the peak formula is made of (float32): W, the weights; the root unit's and the largest
     block's full weights (what an FSDP gathers at once); the largest ZeRO-2 bucket."""
-    model = lab6.new_model(args, ctx)
+    model = char_lm_job.new_model(args, ctx)
     weights = storage_bytes(model.parameters())
     in_blocks = {id(p) for p in model.blocks.parameters()}
     root = storage_bytes(p for p in model.parameters() if id(p) not in in_blocks)
@@ -422,7 +422,7 @@ def sharded_model(args, ctx, mesh, device=None, wrap_block=None, seed_offset: in
 
     torch.manual_seed(args.seed + seed_offset)
     with torch.device(device or ctx.device):
-        model = lab6.CharTransformer(lab6.TEXT_VOCAB_SIZE, **lab6.MODEL_SHAPE)
+        model = char_lm_job.CharTransformer(char_lm_job.TEXT_VOCAB_SIZE, **char_lm_job.MODEL_SHAPE)
     for index, block in enumerate(model.blocks):
         model.blocks[index] = wrap_block(block) if wrap_block else block
         fully_shard(model.blocks[index], mesh=mesh)
@@ -445,7 +445,7 @@ def meta(args, ctx, tokens) -> dict:
         saved = sharded_model(args, ctx, mesh)
     inputs, targets = local_batch(args, ctx, tokens, step=0)
     F.cross_entropy(saved(inputs).flatten(0, 1), targets.flatten()).backward()
-    torch.optim.SGD(saved.parameters(), lr=lab6.CHECK_LR).step()  # so that the saved weights are not the initial ones
+    torch.optim.SGD(saved.parameters(), lr=char_lm_job.CHECK_LR).step()  # so that the saved weights are not the initial ones
     directory = shared_directory(args, ctx, "meta")
     dcp.save(get_model_state_dict(saved), checkpoint_id=directory)
     with allocations(ctx.device) as never_whole:
@@ -454,8 +454,8 @@ def meta(args, ctx, tokens) -> dict:
         state = get_model_state_dict(loaded)  # DTensors over the shards
         dcp.load(state, checkpoint_id=directory)  # each rank reads only the pieces of its shards
         set_model_state_dict(loaded, state)
-    whole = storage_bytes(lab6.new_model(lab8_args(args), ctx).parameters())
-    peaks = {"whole_then_sharded": int(lab6.job_max(whole_then_sharded.peak, ctx)), "meta": int(lab6.job_max(never_whole.peak, ctx))}
+    whole = storage_bytes(char_lm_job.new_model(lab8_args(args), ctx).parameters())
+    peaks = {"whole_then_sharded": int(char_lm_job.job_max(whole_then_sharded.peak, ctx)), "meta": int(char_lm_job.job_max(never_whole.peak, ctx))}
     equal = full_weights_equal(saved, loaded)
     remove_if_temporary(args, ctx, directory)
     passed = peaks["meta"] < whole <= peaks["whole_then_sharded"] and equal
@@ -507,10 +507,10 @@ def activation_checkpointing(args, ctx, tokens) -> dict:
     """The same fully_shard step with and without checkpointing each block: the allocator's peak, the
     tensors saved for backward after forward, the all-gathers; the weights after the step are the same."""
     mesh, facts, weights = world_mesh(ctx), {}, {}
-    inputs, targets = (lab6.my_rows(t, ctx) for t in lab6.global_batch(tokens, torch.Generator().manual_seed(args.seed), lab8_args(args), ctx))
+    inputs, targets = (char_lm_job.my_rows(t, ctx) for t in char_lm_job.global_batch(tokens, torch.Generator().manual_seed(args.seed), lab8_args(args), ctx))
     for setting, wrap_block in (("plain", None), ("checkpointed", Checkpointed)):
         model = sharded_model(args, ctx, mesh, wrap_block=wrap_block)
-        optimizer = torch.optim.SGD(model.parameters(), lr=lab6.CHECK_LR)
+        optimizer = torch.optim.SGD(model.parameters(), lr=char_lm_job.CHECK_LR)
 
         def step():
             optimizer.zero_grad()
@@ -524,8 +524,8 @@ def activation_checkpointing(args, ctx, tokens) -> dict:
         step()  # warm-up: fully_shard's lazy initialisation
         with count_collectives() as counter, allocations(ctx.device) as allocated:
             step()
-        facts[setting] = {"allocator_peak_bytes": int(lab6.job_max(allocated.peak, ctx)),
-                          "saved_after_forward_bytes": int(lab6.job_max(after_forward[-1], ctx)),
+        facts[setting] = {"allocator_peak_bytes": int(char_lm_job.job_max(allocated.peak, ctx)),
+                          "saved_after_forward_bytes": int(char_lm_job.job_max(after_forward[-1], ctx)),
                           "all_gathers": sum(kind == "all_gather" for kind, _ in counter.calls),
                           "ring_model_bytes": counter.ring_model_bytes_per_rank(ctx.world_size)}  # fmt: skip
         weights[setting] = model
@@ -559,8 +559,8 @@ def clip_sharded_(model, max_norm: float) -> torch.Tensor:
 def one_process(args, ctx, tokens, steps: int, max_norm: float | None = None) -> tuple[torch.Tensor, list[float]]:
     """The reference: one process, SGD on each step's whole global batch (clipped to max_norm if given);
     every parameter flattened, and the gradient norm of each step."""
-    model = lab6.new_model(lab8_args(args), ctx)
-    optimizer, norms = torch.optim.SGD(model.parameters(), lr=lab6.CHECK_LR), []
+    model = char_lm_job.new_model(lab8_args(args), ctx)
+    optimizer, norms = torch.optim.SGD(model.parameters(), lr=char_lm_job.CHECK_LR), []
     for step in range(steps):
         inputs, targets = global_batch(args, ctx, tokens, step)
         optimizer.zero_grad()
@@ -579,9 +579,9 @@ def clipped_training(args, ctx, tokens, how: str) -> tuple[torch.Tensor, list[fl
     if how == "fully_shard":
         model = wrapped = sharded_model(args, ctx, world_mesh(ctx))
     else:
-        model = lab6.new_model(lab8_args(args), ctx)
+        model = char_lm_job.new_model(lab8_args(args), ctx)
         wrapped = lab8.load_minifsdp("solutions").FSDP(model, units=list(model.blocks))
-    optimizer, norms = torch.optim.SGD(wrapped.parameters(), lr=lab6.CHECK_LR), []
+    optimizer, norms = torch.optim.SGD(wrapped.parameters(), lr=char_lm_job.CHECK_LR), []
     for step in range(CLIP_STEPS):
         inputs, targets = local_batch(args, ctx, tokens, step)
         optimizer.zero_grad()
@@ -600,11 +600,11 @@ def clipped_training(args, ctx, tokens, how: str) -> tuple[torch.Tensor, list[fl
 
 def clipping(args, ctx, tokens) -> dict:
     reference, reference_norms = one_process(args, ctx, tokens, CLIP_STEPS, MAX_NORM)
-    tolerance = lab6.EPS_PER_STEP * CLIP_STEPS * torch.finfo(torch.float32).eps * float(reference.abs().max())
+    tolerance = char_lm_job.EPS_PER_STEP * CLIP_STEPS * torch.finfo(torch.float32).eps * float(reference.abs().max())
     facts, passed = {"max_norm": MAX_NORM, "reference_norms": reference_norms, "tolerance": tolerance}, True
     for how in ("naive", "fixed", "fully_shard"):
         weights, norms, replicas = clipped_training(args, ctx, tokens, how)
-        difference = lab6.job_max(float((weights - reference).abs().max()), ctx)
+        difference = char_lm_job.job_max(float((weights - reference).abs().max()), ctx)
         everyone = [None] * ctx.world_size
         dist.all_gather_object(everyone, (norms, None if replicas is None else replicas.tolist()))
         norms_agree = all(other[0] == everyone[0][0] for other in everyone)
@@ -633,7 +633,7 @@ def hsdp(args, ctx, tokens) -> dict:
     rows = ctx.world_size // 2
     mesh = init_device_mesh(ctx.device.type, (rows, 2), mesh_dim_names=("replicate", "shard"))
     model = sharded_model(args, ctx, mesh)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lab6.CHECK_LR)
+    optimizer = torch.optim.SGD(model.parameters(), lr=char_lm_job.CHECK_LR)
     for step in range(HSDP_STEPS):
         inputs, targets = local_batch(args, ctx, tokens, step)
         optimizer.zero_grad()
@@ -642,12 +642,12 @@ def hsdp(args, ctx, tokens) -> dict:
         optimizer.step()
     reference, _ = one_process(args, ctx, tokens, HSDP_STEPS)
     weights = torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()])
-    tolerance = lab6.EPS_PER_STEP * HSDP_STEPS * torch.finfo(torch.float32).eps * float(reference.abs().max())
-    difference = lab6.job_max(float((weights - reference).abs().max()), ctx)
+    tolerance = char_lm_job.EPS_PER_STEP * HSDP_STEPS * torch.finfo(torch.float32).eps * float(reference.abs().max())
+    difference = char_lm_job.job_max(float((weights - reference).abs().max()), ctx)
     shard_group = tuple(dist.get_process_group_ranks(mesh.get_group("shard")))
     replicate_group = tuple(dist.get_process_group_ranks(mesh.get_group("replicate")))
     by_group = counter.ring_model_bytes_by_group()
-    s, g, r = storage_bytes(lab6.new_model(lab8_args(args), ctx).parameters()), 2, rows
+    s, g, r = storage_bytes(char_lm_job.new_model(lab8_args(args), ctx).parameters()), 2, rows
     # The payloads the step's collectives carried, each priced by the ring costs (sharding.py): the model.
     modelled = {"shard": by_group.get(shard_group, 0.0), "replicate": by_group.get(replicate_group, 0.0)}
     # Within a row: all-gather before forward and before backward, reduce-scatter after (ZeRO-3 over g = 2
@@ -656,7 +656,7 @@ def hsdp(args, ctx, tokens) -> dict:
     ratios = {dim: modelled[dim] / formula[dim] for dim in formula}
     passed = difference <= tolerance and all(abs(ratio - 1) <= lab8.BYTES_TOLERANCE for ratio in ratios.values())
     # what really left, where collectives write to sockets (gloo); NCCL's transports do not pass through write()
-    sent = int(lab6.job_max(written["bytes"], ctx)) if ctx.backend == "gloo" and written["bytes"] is not None else None
+    sent = int(char_lm_job.job_max(written["bytes"], ctx)) if ctx.backend == "gloo" and written["bytes"] is not None else None
     log(f"hsdp     {r} x 2 mesh: max|w - one process| {difference:.1e} <= {tolerance:.1e}; per rank per step, payloads at ring "
         f"costs: within its pair (shard) {modelled['shard'] / MIB:.3f} MiB = {ratios['shard']:.3f}x 3(g-1)/g S, across pairs "
         f"(replicate) {modelled['replicate'] / MIB:.3f} MiB = {ratios['replicate']:.3f}x 2(r-1)/r S/g   {'PASS' if passed else 'FAIL'}")
@@ -674,7 +674,7 @@ def hsdp(args, ctx, tokens) -> dict:
 
 
 def sgd_with_momentum(model):
-    return torch.optim.SGD(model.parameters(), lr=lab6.CHECK_LR, momentum=0.9)  # momentum: state worth saving
+    return torch.optim.SGD(model.parameters(), lr=char_lm_job.CHECK_LR, momentum=0.9)  # momentum: state worth saving
 
 
 def train_steps(args, ctx, tokens, model, optimizer, steps, group=None) -> None:
@@ -726,9 +726,9 @@ def resume(args, ctx, tokens) -> dict:
     if reference is None:  # ranks 2.. did not train the reference: rank 0 sends it
         reference = torch.empty_like(facts["model only"])
     dist.broadcast(reference, src=0)
-    tolerance = lab6.EPS_PER_STEP * RESUME_STEPS * torch.finfo(torch.float32).eps * float(reference.abs().max())
+    tolerance = char_lm_job.EPS_PER_STEP * RESUME_STEPS * torch.finfo(torch.float32).eps * float(reference.abs().max())
     # weights and reference both on ctx.device (a CPU tensor minus a CUDA one raises)
-    differences = {setting: lab6.job_max(float((weights - reference).abs().max()), ctx) for setting, weights in facts.items()}
+    differences = {setting: char_lm_job.job_max(float((weights - reference).abs().max()), ctx) for setting, weights in facts.items()}
     passed = differences["model and optimizer"] <= tolerance < differences["model only"]
     log(f"resume   saved by 2 ranks after {RESUME_AT} of {RESUME_STEPS} steps, resumed by {ctx.world_size}: max|w - uninterrupted| "
         f"{differences['model and optimizer']:.1e} <= {tolerance:.1e}; without the optimizer's state {differences['model only']:.1e} "
