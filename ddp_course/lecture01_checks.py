@@ -65,9 +65,15 @@ def check_exercise_1(rank_token_loss) -> None:
 
 
 def check_exercise_2(accumulate_gradients) -> None:
-    """Exercise 2: 2 virtual ranks x 2 micro-batches of 8 = one process on the global batch of 32."""
-    per_rank_batch, accumulation_steps, world_size = 8, 2, 2
-    global_batch = per_rank_batch * accumulation_steps * world_size
+    """Exercise 2: 2 virtual ranks x micro-batches of 10 and 6 = one process on the global batch of 32.
+
+    The micro-batches differ in size, as an epoch's last one does: dividing each micro-batch's mean
+    loss by their number then weights a sample of the short one more than one of the long one, and
+    fails; every sample must count once in the mean.
+    """
+    micro_batch_sizes, world_size = [10, 6], 2
+    per_rank_batch = sum(micro_batch_sizes)
+    global_batch = per_rank_batch * world_size
     seed_everything(0)
     images, labels = torch.randn(global_batch, 1, 8, 8), torch.randint(10, (global_batch,))  # digit-shaped
     # float64: a right answer agrees to about 1e-15, so the 1e-5 below only separates right from wrong
@@ -79,7 +85,7 @@ def check_exercise_2(accumulate_gradients) -> None:
 
     rank_gradients = []
     for rank_images, rank_labels in zip(images.chunk(world_size), labels.chunk(world_size)):
-        micro_batches = list(zip(rank_images.chunk(accumulation_steps), rank_labels.chunk(accumulation_steps)))
+        micro_batches = list(zip(rank_images.split(micro_batch_sizes), rank_labels.split(micro_batch_sizes)))
         try:
             accumulate_gradients(model, micro_batches)
         except NotImplementedError:
@@ -87,7 +93,7 @@ def check_exercise_2(accumulate_gradients) -> None:
             return
         rank_gradients.append({name: p.grad.clone() for name, p in model.named_parameters()})
     averaged = {name: (rank_gradients[0][name] + rank_gradients[1][name]) / 2 for name in reference}
-    print(f"global batch = {per_rank_batch} x {accumulation_steps} x {world_size} = {global_batch}")
+    print(f"global batch = ({' + '.join(map(str, micro_batch_sizes))}) x {world_size} = {global_batch}")
     ok = max_relative_difference(averaged, reference) < 1e-5
     print("exercise 2:", "correct" if ok else "not yet")
 

@@ -114,6 +114,21 @@ def build_model(name: str, num_classes: int = 10, dropout: float = 0.0) -> nn.Mo
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
 
 
+def train_flops_per_sample(name: str, input_shape: tuple[int, ...]) -> float:
+    """Forward + backward FLOPs of one sample through build_model(name), counted by torch itself.
+
+    torch's counter counts 2 FLOPs per multiply-add over the batch; a batch of 2 (BatchNorm needs more
+    than one sample) halved gives one sample's share. Lab 5 divides it by the gradient bytes: the FLOPs
+    a model does per byte it all-reduces decide how well it scales.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = build_model(name)
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randn(2, *input_shape)).sum().backward()
+    return counter.get_total_flops() / 2
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t sees positions 0..t only (a language model's mask)."""
 

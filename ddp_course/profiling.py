@@ -259,6 +259,28 @@ def read_traces(out_dir: str | Path, collective: str | None = "all_reduce") -> d
 # ---- overlap -------------------------------------------------------------------------------------
 
 
+def operator_table(trace_path: str | Path) -> dict[str, tuple[int, float]]:
+    """{operator name: (calls, self time in us)} from one chrome trace, like the profiler's `key_averages()`.
+
+    An operator's self time is its duration minus its children's, where children are the operators
+    that start and end inside it on the same thread (the trace stores no parent links).
+    """
+    events = [e for e in json.loads(Path(trace_path).read_text())["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    table: dict[str, tuple[int, float]] = {}
+    for thread in {e["tid"] for e in events}:
+        enclosing: list[tuple[float, str]] = []  # (end time, name) of the operators that contain the current one
+        for e in sorted((e for e in events if e["tid"] == thread), key=lambda e: (e["ts"], -e["dur"])):
+            while enclosing and enclosing[-1][0] <= e["ts"]:
+                enclosing.pop()
+            calls, self_us = table.get(e["name"], (0, 0.0))
+            table[e["name"]] = (calls + 1, self_us + e["dur"])
+            if enclosing:  # the parent did not do this child's work itself
+                parent_calls, parent_self = table[enclosing[-1][1]]
+                table[enclosing[-1][1]] = (parent_calls, parent_self - e["dur"])
+            enclosing.append((e["ts"] + e["dur"], e["name"]))
+    return table
+
+
 def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged = []
     for start, end in sorted(intervals):

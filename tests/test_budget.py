@@ -56,6 +56,15 @@ def test_a_core_cell_that_prints_a_wall_is_reported(tmp_path, monkeypatch):
     monkeypatch.setattr(budget, "REPO_ROOT", tmp_path)
     count = budget.count_notebook("lab 0", "nb.ipynb")
     assert count.walls == ["cell 1: 1 lines of code, 61 lines of output", "cell 2: 41 lines of code, 0 lines of output"]
+    # and the enforced budget fails on them, by cell
+    assert (False, "nb.ipynb: core cell 2: 41 lines of code, 0 lines of output") in budget.budget_lines([count])
+
+
+def test_no_core_cell_of_the_route_prints_a_wall():
+    """Issue 38: a core cell shows at most 40 lines of code and 60 lines of output; plumbing lives in
+    ddp_course behind a one-line call, and a long listing is split beside the facts it explains."""
+    walls = [f"{count.path}: {wall}" for count in COUNTS for wall in count.walls]
+    assert not walls, "\n".join(walls)
 
 
 def test_the_counter_splits_core_from_deep_dive_and_finds_untagged_sections(tmp_path, monkeypatch):

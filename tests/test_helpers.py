@@ -510,3 +510,13 @@ def test_launch_log_records_every_command_and_the_summary_counts_crashes(monkeyp
     assert "2 launches, 1 aborted at exit" in capsys.readouterr().out
     log_path.write_text(log_path.read_text().splitlines()[0] + "\n")
     assert stability.summarize_log(log_path) == 0  # a plain non-zero exit (a negative test) is not an abort
+
+
+def test_train_flops_per_sample_counts_forward_and_both_gradients_of_every_product():
+    from ddp_course.models import WideMLP, train_flops_per_sample
+
+    weights = [layer.weight.numel() for layer in WideMLP().layers if isinstance(layer, torch.nn.Linear)]
+    # 2 FLOPs per multiply-add: forward x @ W, backward the weight's gradient and the input's gradient,
+    # except for the first layer, whose input (the data) needs no gradient
+    expected = 2 * sum(weights) + 2 * sum(weights) + 2 * sum(weights[1:])
+    assert train_flops_per_sample("wide_mlp", (256,)) == expected

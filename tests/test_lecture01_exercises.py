@@ -84,6 +84,12 @@ def test_exercises_1_and_2_reject_the_classic_mistakes():
         for images, labels in micro_batches:
             F.cross_entropy(model(images), labels).backward()  # not divided by the number of micro-batches
 
+    def mean_over_k(model, micro_batches):
+        model.zero_grad()
+        for images, labels in micro_batches:
+            # right only when the micro-batches are equally sized: a sample of the short one weighs more
+            (F.cross_entropy(model(images), labels) / len(micro_batches)).backward()
+
     def last_micro_batch_only(model, micro_batches):
         for images, labels in micro_batches:
             model.zero_grad()  # each backward throws the previous micro-batch away
@@ -91,7 +97,7 @@ def test_exercises_1_and_2_reject_the_classic_mistakes():
 
     for wrong in (mean_per_rank, forgets_world_size):
         assert verdict(checks.check_exercise_1, wrong) == "exercise 1: not yet", wrong.__name__
-    for wrong in (sum_of_means, last_micro_batch_only):
+    for wrong in (sum_of_means, mean_over_k, last_micro_batch_only):
         assert verdict(checks.check_exercise_2, wrong) == "exercise 2: not yet", wrong.__name__
 
 

@@ -178,3 +178,15 @@ def test_profile_steps_in_one_process_writes_a_readable_trace(tmp_path):
     timelines = profiling.read_trace(path)
     assert [t.step for t in timelines] == [0, 1] and all(t.gradient_compute for t in timelines)
     assert all("backward" in t.phases and not t.communication for t in timelines)
+
+
+def test_operator_table_subtracts_each_childs_time_from_its_parent_only(tmp_path):
+    def op(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    events = [op("parent", 0, 100), op("child", 10, 30), op("child", 50, 10), op("parent", 200, 5), op("other", 0, 7, tid=2),
+              {"ph": "X", "cat": "user_annotation", "name": "gloo:all_reduce", "ts": 0, "dur": 999, "tid": 3}]  # fmt: skip
+    path = tmp_path / "trace_rank0.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    # parent: 100 + 5 us, minus its two children's 40; an annotation is not an operator
+    assert profiling.operator_table(path) == {"parent": (2, 65.0), "child": (2, 40.0), "other": (1, 7.0)}
