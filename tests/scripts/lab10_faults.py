@@ -133,20 +133,29 @@ def code_of(path: Path) -> str:
     return text[end:]
 
 
-def with_faults(names, code: str | None = None) -> str:
-    """The solution's code (below its docstring) with the named faults' edits applied, in FAULTS order."""
-    code = code_of(SOLUTION) if code is None else code
-    for name in FAULTS:
-        if name not in names:
-            continue
-        for old, new in FAULTS[name][1]:
-            if code.count(old) != 1:
-                raise ValueError(f"fault {name}: {old[:60]!r} found {code.count(old)} times, not once")
-            code = code.replace(old, new)
+def with_faults(names, extra_edits=()) -> str:
+    """The solution's code (below its docstring) with the named faults' edits applied, in FAULTS order, then extra_edits."""
+    code = code_of(SOLUTION)
+    edits = [(name, edit) for name in FAULTS if name in names for edit in FAULTS[name][1]]
+    for name, (old, new) in edits + [("extra", edit) for edit in extra_edits]:
+        if code.count(old) != 1:
+            raise ValueError(f"fault {name}: {old[:60]!r} found {code.count(old)} times, not once")
+        code = code.replace(old, new)
     return code
 
 
-def write_variant(names, path: Path, docstring: str = '"""Lab 10 variant: the solution with planted faults."""') -> Path:
-    """A runnable script: a docstring, then the solution's code with the named faults."""
-    path.write_text(docstring + with_faults(names))
+def write_variant(names, path: Path, extra_edits=()) -> Path:
+    """A runnable script: a docstring, then the solution's code with the named faults (and extra_edits)."""
+    path.write_text(f'"""Lab 10 variant: the solution with {", ".join(names) or "no fault"} planted."""' + with_faults(names, extra_edits))
     return path
+
+
+# Not a fault of the lab: the same extra work on every rank, slower with no other signature - the
+# throughput check's own negative control.
+EXTRA_WORK = [(
+    "                scaler.scale(loss).backward()\n",
+    """                scaler.scale(loss).backward()
+            with torch.no_grad():  # twelve more forward passes, on every rank alike
+                for _ in range(12):
+                    ddp_model.module(images)
+""")]
