@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
 import lab10_faults as faults  # noqa: E402
 
 NAMES = {number: name for number, (name, _) in checker.CHECKS.items()}
-THROUGHPUT, TIMEOUT = 7, 9
+THROUGHPUT, ACCURACY, TIMEOUT = 7, 8, 9
 VARIANTS = ["solution", *faults.FAULTS, "extra-work"]  # run in the shared launch (every full run)
 
 
@@ -38,9 +38,11 @@ def verdicts(tmp_path_factory):
     for name in faults.FAULTS:
         scripts[name] = faults.write_variant([name], folder / f"fault_{name.replace('-', '_')}.py")
     scripts = {name: scripts[name] for name in VARIANTS}
-    shared = checker.plan_runs(folder, scripts, timeout_of=["solution"], references_between=2)
+    # Full training where the accuracy can differ from the solution's: the other faults change how
+    # fast the same arithmetic runs, not the arithmetic (test_the_other_faults_keep_the_training_maths).
+    shared = checker.plan_runs(folder, scripts, full_of=["solution", "learning-rate"], timeout_of=["solution"], references_between=3)
     timeout_fault = [checker.timeout_case(folder, "timeout", scripts["timeout"])]
-    unfixed = checker.plan_runs(folder, {"unfixed": faults.BROKEN}, timeout_of=["unfixed"])
+    unfixed = checker.plan_runs(folder, {"unfixed": faults.BROKEN}, full_of=["unfixed"], timeout_of=["unfixed"])
     with ThreadPoolExecutor(max_workers=4) as pool:
         baseline = pool.submit(checker.one_process_accuracy, folder)
         launches = [pool.submit(checker.launch, runs, folder) for runs in (shared, timeout_fault, unfixed)]
@@ -50,12 +52,7 @@ def verdicts(tmp_path_factory):
     assert results[0].ok, results[0].describe()  # the time-out fault and the unfixed script end their launches failing
     assert not any(result.timed_out for result in results), [result.describe() for result in results if result.timed_out]
     found = checker.read_runs(shared + timeout_fault + unfixed)
-    judged = {}
-    for name in VARIANTS:
-        timeout_run = found.get(f"{name}-timeout")
-        judged[name] = checker.judge({k: v for k, v in found.items() if k in [r["name"] for r in shared]}, name, one_process, timeout_run)
-    unfixed_runs = {k: v for k, v in found.items() if k in [r["name"] for r in unfixed]}
-    judged["unfixed"] = checker.judge(unfixed_runs, "unfixed", one_process, found["unfixed-timeout"])
+    judged = {name: checker.judge(found, name, one_process) for name in [*VARIANTS, "unfixed"]}
     for name, lines in judged.items():  # the evidence, in the test log (pytest -s, or on a failure)
         print(f"--- {name}\n" + "\n".join(v.line() for v in lines))
     return judged
@@ -81,7 +78,7 @@ def test_each_fault_alone_fails_its_own_check_and_no_other(verdicts, fault):
         if check == NAMES[THROUGHPUT] and own in [NAMES[n] for n in checker.SIGNATURES]:
             # the fault's own signature explains a slowdown: throughput waits for it
             assert status == "BLOCKED", [v.line() for v in verdicts[fault]]
-        elif check == NAMES[TIMEOUT] and fault != "timeout":
+        elif (check == NAMES[TIMEOUT] and fault != "timeout") or (check == NAMES[ACCURACY] and fault != "learning-rate"):
             assert status == "BLOCKED" and "not run" in next(v.evidence for v in verdicts[fault] if v.check == check)
         else:
             assert status == "PASS", [v.line() for v in verdicts[fault]]
@@ -113,6 +110,19 @@ def test_the_other_faults_leave_the_save_path_alone():
     for name, (_, edits) in faults.FAULTS.items():
         if name != "timeout":
             assert not any("save" in old or "barrier" in old or "timeout" in old for old, _ in edits), name
+
+
+def test_the_other_faults_keep_the_training_maths():
+    """Check 8 (accuracy) is run on the solution, the learning-rate fault and the unfixed script only: no
+    other fault changes a line that sets the learning rate or computes the loss (the others reorganise
+    the same arithmetic: where the images are standardized, when gradients are all-reduced)."""
+
+    def maths(text):
+        return sorted(line.strip() for line in text.splitlines() if any(word in line for word in ("lr", "learning_rate", "cross_entropy")))
+
+    for name, (_, edits) in faults.FAULTS.items():
+        if name != "learning-rate":
+            assert all(maths(old) == maths(new) for old, new in edits), name
 
 
 def test_bad_flags_are_one_line(refused_flag_line):

@@ -34,6 +34,8 @@ WORLD_SIZE = 2
 # The lab's defaults, spelled out: a script that changed its defaults is still checked on the lab's job.
 TRAIN_ARGS = ["--epochs", "2", "--batch-size", "16", "--accum-steps", "2", "--lr", "0.01", "--base-batch", "16",
               "--seed", "0", "--backend", "gloo", "--timeout-s", "60"]  # fmt: skip
+# The timed runs: a few steps are enough for counts and shares (the first WARMUP_STEPS are left out).
+TIMED_ARGS = ["--epochs", "1", *TRAIN_ARGS[2:], "--max-steps", "10"]
 ONE_PROCESS_ARGS = ["--epochs", "2", "--batch-size", "16", "--accum-steps", "1", "--lr", "0.01", "--base-batch", "16", "--seed", "0"]
 # The time-out case: one step, then a save that takes SLOW_SAVE_S while the default group's timeout is
 # SHORT_TIMEOUT_S. Both far from a healthy collective's time (milliseconds) and from each other.
@@ -84,21 +86,21 @@ class Run:
         return f"the run failed (exit status {statuses[-1]}{': ' + errors[0] if errors else ''})"
 
 
-def plan_runs(folder: Path, scripts: dict[str, Path], timeout_of: list[str], references_between: int = 1) -> list[dict]:
-    """The --runs list: the reference, then `references_between` checked scripts, the reference again, ...;
-    then the time-out case of every name in timeout_of (a run that fails ends the launch: put it last)."""
+def plan_runs(folder: Path, scripts: dict[str, Path], full_of=(), timeout_of=(), references_between: int = 1) -> list[dict]:
+    """The --runs list. First the short runs that are timed: the reference, then `references_between`
+    checked scripts, the reference again, ...; then the full training (2 epochs) of every name in full_of;
+    last the time-out case of every name in timeout_of (a run that fails ends the launch)."""
     runs, names = [], list(scripts)
 
-    def full(name, script):
-        out = folder / name
-        return {"name": name, "script": str(script), "out_dir": str(out), "args": [*TRAIN_ARGS, "--metrics-json", str(out / "metrics.json")]}
+    def run(name, script, args, suffix=""):
+        out = folder / f"{name}{suffix}"
+        return {"name": f"{name}{suffix}", "script": str(script), "out_dir": str(out), "args": [*args, "--metrics-json", str(out / "metrics.json")]}
 
-    reference_count = 0
     for start in range(0, len(names), references_between):
-        runs.append(full(f"reference-{reference_count}", REFERENCE))
-        reference_count += 1
-        runs += [full(name, scripts[name]) for name in names[start : start + references_between]]
-    runs.append(full(f"reference-{reference_count}", REFERENCE))
+        runs.append(run(f"reference-{start}", REFERENCE, TIMED_ARGS))
+        runs += [run(name, scripts[name], TIMED_ARGS) for name in names[start : start + references_between]]
+    runs.append(run("reference-last", REFERENCE, TIMED_ARGS))
+    runs += [run(name, scripts[name], TRAIN_ARGS, "-full") for name in full_of]
     return runs + [timeout_case(folder, name, scripts[name]) for name in timeout_of]
 
 
@@ -138,19 +140,20 @@ def speed_ratio(runs: dict[str, Run], name: str) -> float | None:
     position = names.index(name)
     before = next((n for n in reversed(names[:position]) if n.startswith("reference-")), None)
     after = next((n for n in names[position + 1 :] if n.startswith("reference-")), None)
-    speeds = [summarize(runs[n].records)["job"].get("samples_per_s") for n in (before, after) if n and runs[n].ok]
+    speeds = [summarize(runs[n].records)["job"].get("samples_per_s") for n in (before, after) if n and runs[n].ok and runs[n].records[0]["steps"]]
     mine = summarize(runs[name].records)["job"].get("samples_per_s") if runs[name].ok else None
     speeds = [s for s in speeds if s]
     return mine / (sum(speeds) / len(speeds)) if mine and speeds else None
 
 
-def judge(runs: dict[str, Run], name: str, one_process: float | None, timeout_run: Run | None) -> list[Verdict]:
-    """The nine verdicts about the checked script's runs: runs[name] (the full run) and timeout_run."""
+def judge(runs: dict[str, Run], name: str, one_process: float | None) -> list[Verdict]:
+    """The nine verdicts about the checked script: from its timed run runs[name], its full training
+    runs[name + "-full"] and its time-out case runs[name + "-timeout"] (each BLOCKED where not run)."""
     run = runs[name]
     verdicts = {}
     if not run.ok or not all(r["steps"] for r in run.records.values()):
         why = run.why() if not run.ok else "no optimizer step was recorded"
-        for number in range(1, 9):
+        for number in range(1, 8):
             verdicts[number] = Verdict(CHECKS[number][0], "BLOCKED", why, number=number)
     else:
         found = summarize(run.records)
@@ -159,8 +162,8 @@ def judge(runs: dict[str, Run], name: str, one_process: float | None, timeout_ru
         effect = f"; {1 / ratio:.1f}x the reference's step time" if ratio else ""
         verdicts.update(signature_verdicts(run, ranks, job, effect))
         verdicts[7] = throughput_verdict(ratio, [v for v in verdicts.values() if v.status == "FAIL"])
-        verdicts[8] = accuracy_verdict(run, one_process, job)
-    verdicts[9] = timeout_verdict(timeout_run)
+    verdicts[8] = accuracy_verdict(runs.get(f"{name}-full"), one_process)
+    verdicts[9] = timeout_verdict(runs.get(f"{name}-timeout"))
     return [verdicts[number] for number in sorted(verdicts)]
 
 
@@ -201,8 +204,12 @@ def throughput_verdict(ratio: float | None, failed: list[Verdict]) -> Verdict:
     return verdict(7, ratio >= MIN_SPEED_RATIO, f"{ratio:.2f}x the reference's samples/s, timed alternately in the same launch (at least {MIN_SPEED_RATIO:g})")
 
 
-def accuracy_verdict(run: Run, one_process: float | None, job: dict) -> Verdict:
+def accuracy_verdict(run: Run | None, one_process: float | None) -> Verdict:
     name = CHECKS[8][0]
+    if run is None:
+        return Verdict(name, "BLOCKED", "the full training was not run", number=8)
+    if not run.ok:
+        return Verdict(name, "BLOCKED", f"the full training: {run.why()}", number=8)
     accuracy = (run.metrics or {}).get("eval_accuracy")
     if one_process is None:
         return Verdict(name, "BLOCKED", "the one-process reference run did not finish", number=8)
@@ -232,13 +239,13 @@ def timeout_verdict(run: Run | None) -> Verdict:
 # --- the whole check -------------------------------------------------------------------------------------------
 def check(script: Path, folder: Path) -> tuple[RunResult, list[Verdict]]:
     """Run and judge one script; (the launch, its verdicts)."""
-    runs = plan_runs(folder, {"checked": script}, timeout_of=["checked"])
+    runs = plan_runs(folder, {"checked": script}, full_of=["checked"], timeout_of=["checked"])
     with ThreadPoolExecutor(max_workers=1) as pool:
         baseline = pool.submit(one_process_accuracy, folder)
         result = launch(runs, folder)
         one_process = baseline.result()
     found = read_runs(runs)
-    return result, judge(found, "checked", one_process, found["checked-timeout"])
+    return result, judge(found, "checked", one_process)
 
 
 def main(argv=None) -> int:
