@@ -292,6 +292,7 @@ def summarize(records: dict[int, dict]) -> dict:
         per_rank[rank] = {
             "steps": len(steps), "threads": max((s["threads"] for s in record["steps"]), default=None),
             "median_step_s": median(s["wall_s"] for s in steps), "median_step_cpu_s": median(s["cpu_s"] for s in steps),
+            "median_step_work_s": median(s["cpu_s"] - s["data_cpu_s"] for s in steps),
             "data_cpu_share": sum(s["data_cpu_s"] for s in steps) / cpu if cpu else None,
             "shares": {c: sum(x[c] for x in splits) / wall if wall else None for c in CATEGORIES},
             "allreduce_calls_per_step": median(s["allreduce_calls"] for s in steps),
@@ -304,8 +305,9 @@ def summarize(records: dict[int, dict]) -> dict:
         }  # fmt: skip
     job = {}
     if per_rank:
-        cpu_per_step = [r["median_step_cpu_s"] for r in per_rank.values() if r["median_step_cpu_s"]]
-        fastest = min(per_rank, key=lambda r: per_rank[r]["median_step_cpu_s"] or 0)
+        # Work per step besides producing the batch: what one rank doing more than the others shows in.
+        cpu_per_step = [r["median_step_work_s"] for r in per_rank.values() if r["median_step_work_s"]]
+        fastest = min(per_rank, key=lambda r: per_rank[r]["median_step_work_s"] or 0)
         step_s = max(r["median_step_s"] or 0 for r in per_rank.values())
         samples = sum(r["samples_per_step"] or 0 for r in per_rank.values())
         job = {"ranks": len(per_rank), "steps": count, "median_step_s": step_s,

@@ -98,7 +98,7 @@ class Standardized(Dataset):
         pixels = [image[0, row, col] for row in range(image.shape[1]) for col in range(image.shape[2])]
         mean = sum(pixels) / len(pixels)
         std = (sum((pixel - mean) ** 2 for pixel in pixels) / (len(pixels) - 1)).sqrt().clamp_min(1e-6)
-        return (image - mean) / std, label
+        return torch.stack([(pixel - mean) / std for pixel in pixels]).view_as(image), label
 
 
 def usable_cores() -> int:

@@ -19,6 +19,7 @@ idle OpenMP threads sleep instead of spinning and CPU time counts work.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -46,10 +47,12 @@ LAUNCH_ENV = {"OMP_WAIT_POLICY": "passive"}  # idle OpenMP threads sleep: CPU ti
 JOB_TIMEOUT_S = 400
 
 # Thresholds, each far from both sides: measured values are in the comments (2 CPU ranks, a loaded machine).
-MAX_DATA_SHARE = 0.30  # share of a step's CPU time spent producing its batch: fixed ~0.05, per-sample Python ~0.6
+MAX_DATA_SHARE = 0.20  # share of a step's CPU time spent producing its batch: fixed 0.05-0.09, per-sample Python 0.45+
 MAX_ROUNDS_PER_STEP = 1  # all-reduce rounds (one per bucket) per optimizer step; per micro-batch: 2
 MAX_BUCKETS = 2  # DDP's default buckets hold the model's 0.6 MB in 1; 0.01 MB buckets make 3 or more
-MAX_CPU_IMBALANCE = 1.5  # busiest rank's CPU per step / least busy's: balanced ~1.05, rank 0 evaluating every step ~3+
+# Busiest rank's CPU per step, besides producing the batch, over the least busy rank's: ranks doing the
+# same work 1.00-1.23 in two test runs on a loaded machine, rank 0 evaluating every step 2.8-3.2.
+MAX_CPU_IMBALANCE = 1.5
 MIN_SPEED_RATIO = 0.5  # the script's samples/s over the reference's: at most 2x slower
 MAX_ACCURACY_DROP = 0.10  # held-out accuracy below one process's: fixed 0.02-0.05 (seeds 0-2), lr unscaled 0.2-0.3
 
@@ -64,7 +67,8 @@ CHECKS = {
     8: ("accuracy", "a global batch k times bigger takes k times fewer steps: scale the learning rate with it, and warm it up (lab 5 sheet, assessment question 3; labs/lab10_no_faster.md, part 3)"),
     9: ("time-out", "a save slower than the process group's timeout kills a healthy job; give that phase its own group with a longer timeout (dist.new_group(timeout=...)) or spread the work, and keep the default timeout short so that real hangs still surface (lecture 6, section 1; labs/lab10_no_faster.md, part 4)"),
 }  # fmt: skip
-SIGNATURES = range(1, 7)  # the checks about one cause of slowness each
+SIGNATURES = range(1, 7)
+GLOO_SOURCE = re.compile(r"\[[^\]]*\]\s*")  # "[/path/to/gloo/unbound_buffer.cc:129] " in gloo's errors  # the checks about one cause of slowness each
 
 
 @dataclass
@@ -79,11 +83,12 @@ class Run:
         return len(self.records) == WORLD_SIZE and all(record["status"] == 0 for record in self.records.values())
 
     def why(self) -> str:
+        errors = [f"rank {r['rank']}: {GLOO_SOURCE.sub('', r['error'])}" for r in self.records.values() if r["error"]]
+        if errors:  # the first rank that failed says why; its peers were stopped with it
+            return f"the run failed ({errors[0][:240]})"
         if len(self.records) < WORLD_SIZE:
             return "the run did not finish (an earlier run of the launch failed, or the launch was stopped)"
-        errors = [r["error"] for r in self.records.values() if r["error"]]
-        statuses = sorted({r["status"] for r in self.records.values()})
-        return f"the run failed (exit status {statuses[-1]}{': ' + errors[0] if errors else ''})"
+        return f"the run failed (exit status {max(r['status'] for r in self.records.values())})"
 
 
 def plan_runs(folder: Path, scripts: dict[str, Path], full_of=(), timeout_of=(), references_between: int = 1) -> list[dict]:
@@ -161,6 +166,10 @@ def judge(runs: dict[str, Run], name: str, one_process: float | None) -> list[Ve
         ratio = speed_ratio(runs, name)
         effect = f"; {1 / ratio:.1f}x the reference's step time" if ratio else ""
         verdicts.update(signature_verdicts(run, ranks, job, effect))
+        if verdicts[1].status == "FAIL" and verdicts[6].status == "FAIL":
+            # Ranks whose threads fight for the cores get uneven CPU time whatever their work: measured
+            # 1.23 for two ranks doing the same work, near the limit. Balance is judged once threads pass.
+            verdicts[6] = Verdict(CHECKS[6][0], "BLOCKED", f"decided once threads passes: {verdicts[6].evidence}", number=6)
         verdicts[7] = throughput_verdict(ratio, [v for v in verdicts.values() if v.status == "FAIL"])
     verdicts[8] = accuracy_verdict(runs.get(f"{name}-full"), one_process)
     verdicts[9] = timeout_verdict(runs.get(f"{name}-timeout"))
@@ -190,7 +199,7 @@ def signature_verdicts(run: Run, ranks, job: dict, effect: str) -> dict[int, Ver
         5: verdict(5, not (searching and unused == 0),
                    "the wrapper searched for unused parameters after every forward and found none" if searching and unused == 0
                    else ("it searched and found unused parameters: the search is needed" if searching else "no search for unused parameters"), effect),
-        6: verdict(6, imbalance <= MAX_CPU_IMBALANCE, f"CPU per step: busiest rank / least busy = {imbalance:.2f} (at most {MAX_CPU_IMBALANCE:g}); "
+        6: verdict(6, imbalance <= MAX_CPU_IMBALANCE, f"CPU per step besides the data: busiest rank / least busy = {imbalance:.2f} (at most {MAX_CPU_IMBALANCE:g}); "
                    f"rank {job['fastest_rank']} waited for the others {job['idle_share_of_fastest']:.0%} of its time", effect),
     }  # fmt: skip
 
