@@ -15,6 +15,9 @@ What it grades, and from which file (yours; with --solutions, the course's):
                       (labs/lab4_check.py). Check 4 (epoch-shuffle) counts only once check 1 (data-split)
                       passes: without a DistributedSampler the DataLoader's own shuffle hides bug 4, so the
                       broken script passes it
+  lab10               my_lab10.py at the repository root (solutions/lab10_slow_ddp.py): lab 10's 9 checks
+                      (labs/lab10_check.py). Throughput (check 7) is BLOCKED while a check about one
+                      cause of slowness fails; the time-out check adds an 8 s save
   lab6                labs/minddp.py (solutions/minddp.py): each part's wrapper against one process and
                       torch's DDP (labs/lab6_ddp_from_scratch.py --module labs --repeats 0 --zero)
   lab8                labs/minifsdp.py (solutions/minifsdp.py): labs/lab8_fsdp.py --part K through its
@@ -89,6 +92,9 @@ class Sources:
 
     def lab4(self) -> Path:
         return self.extra.get("lab4") or self.root / ("solutions/lab4_broken_ddp.py" if self.solutions else "my_lab4.py")
+
+    def lab10(self) -> Path:
+        return self.extra.get("lab10") or self.root / ("solutions/lab10_slow_ddp.py" if self.solutions else "my_lab10.py")
 
     def module(self) -> str:
         """--module of labs 6 and 8."""
@@ -275,6 +281,19 @@ def with_dependencies(exercise: str, verdicts, names) -> list[Row]:
     return rows
 
 
+def lab10_rows(sources: Sources, check=None) -> list[Row]:
+    """Lab 10's checker (ddp_course/checking/lab10.py) on my_lab10.py; check(script, folder) -> (launch, verdicts)."""
+    from ddp_course.checking import lab10
+
+    script = sources.lab10()
+    if not script.is_file():
+        reason = f"no {display(script, sources)} yet: cp labs/lab10_slow_ddp.py my_lab10.py, then measure and fix it (lab 10 sheet)"
+        return [Row("lab10", f"{number} {name}", "FAIL", reason) for number, (name, _) in lab10.CHECKS.items()]
+    with tempfile.TemporaryDirectory(prefix="grade_lab10_") as folder:
+        _, verdicts = (check or lab10.check)(script.resolve(), Path(folder))
+    return [Row("lab10", f"{v.number} {v.check}", v.status, v.evidence) for v in verdicts]
+
+
 # --- labs 6 and 8: the labs' own checks, through their command lines ----------------------------------------
 def todo_parts(path: Path, lab: int) -> set[int]:
     """The parts whose TODO still raises in an exercise file (ddp_course.exercises writes them)."""
@@ -402,12 +421,13 @@ def display(path: Path, sources: Sources) -> str:
 
 
 # --- the table, the JSON file and the exit status ----------------------------------------------------------
-EXERCISES = ("lectures", "lab3", "lab4", "lab6", "lab8")
+EXERCISES = ("lectures", "lab3", "lab4", "lab6", "lab8", "lab10")
 
 
 def grade(sources: Sources, only=None, graders=None) -> list[Row]:
     """Every row, in the order of EXERCISES; only: names from EXERCISES or lectureN; graders: tests replace some."""
-    graders = {"lectures": lecture_rows, "lab3": lab3_rows, "lab4": lab4_rows, "lab6": lab6_rows, "lab8": lab8_rows, **(graders or {})}
+    graders = {"lectures": lecture_rows, "lab3": lab3_rows, "lab4": lab4_rows, "lab6": lab6_rows, "lab8": lab8_rows,
+               "lab10": lab10_rows, **(graders or {})}
     rows = []
     for name in EXERCISES:
         wanted = not only or name in only or (name == "lectures" and any(o.startswith("lecture") or o == "optional" for o in only))

@@ -131,7 +131,7 @@ UNIT_MODULES = {
     "test_parameter_counts", "test_repository_files", "test_route", "test_sharding", "test_text_transformer",
 }  # fmt: skip
 TORCHRUN_MODULES = {
-    "test_checkers", "test_cifar10_prepare", "test_ddp_minimal", "test_device_discipline", "test_lab4_check_tolerance",
+    "test_checkers", "test_cifar10_prepare", "test_lab10", "test_ddp_minimal", "test_device_discipline", "test_lab4_check_tolerance",
     "test_exercise_generator_clones", "test_gpu_smoke", "test_grade", "test_helpers", "test_lab1_collectives",
     "test_lab2_join", "test_lab2_sampler", "test_lab3_ddp", "test_lab5_scaling", "test_lab6_ddp_from_scratch",
     "test_lab7_fault_tolerance", "test_lab7_hangs", "test_lab8_fsdp", "test_lab9_fsdp_practice",

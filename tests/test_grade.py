@@ -224,12 +224,27 @@ def test_a_learners_cell_that_raises_or_hangs_fails_its_row_only(tmp_path, monke
 @pytest.mark.timeout(240)
 def test_the_untouched_starting_files_score_zero_without_a_launch(tmp_path, monkeypatch):
     """`python -m ddp_course.grade` on a fresh clone: no labs/my_ddp.py, no my_lab4.py, every TODO of labs 6 and 8."""
-    sources = grade.Sources(extra={"lab3": tmp_path / "labs" / "my_ddp.py", "lab4": tmp_path / "my_lab4.py"})
+    sources = grade.Sources(extra={"lab3": tmp_path / "labs" / "my_ddp.py", "lab4": tmp_path / "my_lab4.py", "lab10": tmp_path / "my_lab10.py"})
     graders = {"lectures": lambda s: []}  # graded for real in the test above, from the same notebooks
     monkeypatch.setattr(grade, "run_lab", lambda *args: pytest.fail("a lab was launched"))
     rows = grade.grade(sources, graders=graders)
     ran = [r for r in rows if r.status != "BLOCKED"]
-    assert {r.exercise for r in rows} == {"lab3", "lab4", "lab6", "lab8"}
-    assert len(ran) == 13 + 7 + 4 + 5 and all(r.status == "FAIL" for r in ran), rows
+    assert {r.exercise for r in rows} == {"lab3", "lab4", "lab6", "lab8", "lab10"}
+    assert len(ran) == 13 + 7 + 4 + 5 + 9 and all(r.status == "FAIL" for r in ran), rows
     assert sum(r.points for r in rows) == 0 and grade.exit_status(rows) == 1
     assert all(r.reason.startswith("needs GPUs") for r in rows if r.status == "BLOCKED")
+
+
+def test_lab10_rows_are_the_checkers_verdicts_and_a_missing_file_fails_every_check(tmp_path):
+    from ddp_course.checking import lab10
+    from ddp_course.checking.verdict import Verdict
+
+    missing = grade.lab10_rows(grade.Sources(extra={"lab10": tmp_path / "my_lab10.py"}))
+    assert [r.check for r in missing] == [f"{n} {name}" for n, (name, _) in lab10.CHECKS.items()]
+    assert all(r.status == "FAIL" and "cp labs/lab10_slow_ddp.py my_lab10.py" in r.reason for r in missing)
+    script = tmp_path / "my_lab10.py"
+    script.write_text("")
+    verdicts = [Verdict("threads", "PASS", "1 thread", number=1), Verdict("throughput", "BLOCKED", "decided later", number=7)]
+    rows = grade.lab10_rows(grade.Sources(extra={"lab10": script}), check=lambda path, folder: (None, verdicts))
+    assert [(r.check, r.status, r.reason) for r in rows] == [("1 threads", "PASS", "1 thread"), ("7 throughput", "BLOCKED", "decided later")]
+    assert [r.max_points for r in rows] == [1, 0]

@@ -32,6 +32,7 @@ MODULES = (
     "ddp_backward",            # lecture 4: hooks, buckets, asynchronous all-reduce, the wait
     "failure_decision_tree",   # lecture 6 section 1: a hang, a wrong result or a crash?
     "sharded_memory_timeline", # lecture 7: DDP vs FSDP memory over one step, from measured data
+    "lab10_timeline",          # lab 10: each rank's steps split into data wait, compute, communication, waiting
 )
 
 

@@ -1,0 +1,151 @@
+"""Lab 10: the broken script is the solution plus eight planted faults, and the checker finds each one.
+
+The proof the checker needs: the solution passes every check; each planted fault alone, added to the
+solution, fails its own check and no other; the unfixed script fails every check it can decide; and a
+slowdown no signature explains (the same extra work on every rank) fails the throughput check.
+
+All of it comes from few launches, started together by one fixture (ddp_course/checking/lab10.py
+runs the same code for a learner's script): one 2-rank launch runs the reference and every variant
+but the unfixed script, alternately, then the solution's time-out case; a second runs the time-out
+fault's time-out case (it fails, so it ends its launch); a third the unfixed script; beside them the
+one-process reference. The time-out case (an 8 s save) is run for the solution and the two scripts
+that break it; the other variants share the solution's save code unchanged
+(test_the_other_faults_leave_the_save_path_alone), so their check 9 is not run here.
+"""
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from ddp_course.checking import lab10 as checker
+from ddp_course.launch import REPO_ROOT, import_script
+
+sys.path.insert(0, str(REPO_ROOT / "tests" / "scripts"))
+import lab10_faults as faults  # noqa: E402
+
+# On a quiet 2-core machine the launches take about a minute and a half together; the limits leave
+# room for a machine shared with other jobs (load average 15 on 2 cores: about 8 minutes).
+pytestmark = pytest.mark.timeout(1200)
+LAUNCH_TIMEOUT_S = 1000
+NAMES = {number: name for number, (name, _) in checker.CHECKS.items()}
+THROUGHPUT, ACCURACY, TIMEOUT = 7, 8, 9
+VARIANTS = ["solution", *faults.FAULTS, "extra-work"]  # run in the shared launch (every full run)
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory):
+    """{variant: [Verdict]} for every variant, from the launches described above (about a minute on a quiet machine)."""
+    folder = tmp_path_factory.mktemp("lab10")
+    scripts = {"solution": faults.SOLUTION, "extra-work": faults.write_variant([], folder / "extra_work.py", faults.EXTRA_WORK)}
+    for name in faults.FAULTS:
+        scripts[name] = faults.write_variant([name], folder / f"fault_{name.replace('-', '_')}.py")
+    scripts = {name: scripts[name] for name in VARIANTS}
+    # Full training where the accuracy can differ from the solution's: the other faults change how
+    # fast the same arithmetic runs, not the arithmetic (test_the_other_faults_keep_the_training_maths).
+    shared = checker.plan_runs(folder, scripts, full_of=["solution", "learning-rate"], timeout_of=["solution"], references_between=4)
+    timeout_fault = [checker.timeout_case(folder, "timeout", scripts["timeout"])]
+    unfixed = checker.plan_runs(folder, {"unfixed": faults.BROKEN}, full_of=["unfixed"], timeout_of=["unfixed"])
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        baseline = pool.submit(checker.one_process_accuracy, folder, LAUNCH_TIMEOUT_S)
+        launches = [pool.submit(checker.launch, runs, folder, LAUNCH_TIMEOUT_S) for runs in (shared, timeout_fault, unfixed)]
+        results = [launch.result() for launch in launches]
+        one_process = baseline.result()
+    assert one_process is not None, "the one-process reference did not finish"
+    assert results[0].ok, results[0].describe()  # the time-out fault and the unfixed script end their launches failing
+    assert not any(result.timed_out for result in results), [result.describe() for result in results if result.timed_out]
+    found = checker.read_runs(shared + timeout_fault + unfixed)
+    judged = {name: checker.judge(found, name, one_process) for name in [*VARIANTS, "unfixed"]}
+    for name, lines in judged.items():  # the evidence, in the test log (pytest -s, or on a failure)
+        print(f"--- {name}\n" + "\n".join(v.line() for v in lines))
+    return judged
+
+
+def statuses(verdicts) -> dict[str, str]:
+    return {v.check: v.status for v in verdicts}
+
+
+def test_the_solution_passes_every_check(verdicts):
+    failing = [v.line() for v in verdicts["solution"] if not v.passed]
+    assert not failing, failing
+
+
+@pytest.mark.parametrize("fault", list(faults.FAULTS))
+def test_each_fault_alone_fails_its_own_check_and_no_other(verdicts, fault):
+    own = faults.FAULTS[fault][0]
+    found = statuses(verdicts[fault])
+    assert found[own] == "FAIL", [v.line() for v in verdicts[fault]]
+    for check, status in found.items():
+        if check == own:
+            continue
+        if check == NAMES[THROUGHPUT] and own in [NAMES[n] for n in checker.SIGNATURES]:
+            # the fault's own signature explains a slowdown: throughput waits for it
+            assert status == "BLOCKED", [v.line() for v in verdicts[fault]]
+        elif (check == NAMES[TIMEOUT] and fault != "timeout") or (check == NAMES[ACCURACY] and fault != "learning-rate"):
+            assert status == "BLOCKED" and "not run" in next(v.evidence for v in verdicts[fault] if v.check == check)
+        else:
+            assert status == "PASS", [v.line() for v in verdicts[fault]]
+
+
+def test_a_slowdown_without_a_signature_fails_throughput_only(verdicts):
+    found = statuses(verdicts["extra-work"])
+    assert found[NAMES[THROUGHPUT]] == "FAIL", [v.line() for v in verdicts["extra-work"]]
+    assert [c for c, s in found.items() if s == "FAIL"] == [NAMES[THROUGHPUT]], [v.line() for v in verdicts["extra-work"]]
+
+
+def test_the_unfixed_script_passes_no_check(verdicts):
+    found = statuses(verdicts["unfixed"])
+    assert found[NAMES[THROUGHPUT]] == "BLOCKED"  # every signature already fails
+    # rank-balance waits for threads: oversubscribed ranks get uneven CPU time whatever their work
+    assert found[NAMES[6]] in ("FAIL", "BLOCKED")
+    assert all(status == "FAIL" for check, status in found.items() if check not in (NAMES[THROUGHPUT], NAMES[6])), [v.line() for v in verdicts["unfixed"]]
+
+
+def test_a_failed_time_out_case_says_which_rank_timed_out(verdicts):
+    evidence = next(v.evidence for v in verdicts["timeout"] if v.check == NAMES[TIMEOUT])
+    assert "the run failed (rank" in evidence, evidence
+
+
+def test_a_failing_signature_prints_its_effect(verdicts):
+    data = next(v for v in verdicts["data"] if v.check == "data-wait")
+    assert "x the reference's step time" in data.evidence and "hint" in data.line()
+
+
+def test_the_broken_script_is_the_solution_with_every_fault():
+    assert faults.code_of(faults.BROKEN) == faults.with_faults(list(faults.FAULTS))
+
+
+def test_the_other_faults_leave_the_save_path_alone():
+    """Check 9 runs only the save path: every fault but the time-out one leaves it as the solution has it."""
+    for name, (_, edits) in faults.FAULTS.items():
+        if name != "timeout":
+            assert not any("save" in old or "barrier" in old or "timeout" in old for old, _ in edits), name
+
+
+def test_the_other_faults_keep_the_training_maths():
+    """Check 8 (accuracy) is run on the solution, the learning-rate fault and the unfixed script only: no
+    other fault changes a line that sets the learning rate or computes the loss (the others reorganise
+    the same arithmetic: where the images are standardized, when gradients are all-reduced)."""
+
+    def maths(text):
+        return sorted(line.strip() for line in text.splitlines() if any(word in line for word in ("lr", "learning_rate", "cross_entropy")))
+
+    for name, (_, edits) in faults.FAULTS.items():
+        if name != "learning-rate":
+            assert all(maths(old) == maths(new) for old, new in edits), name
+
+
+def test_bad_flags_are_one_line(refused_flag_line):
+    lab = import_script(faults.BROKEN, name="lab10_slow_ddp")
+    assert "--slow-storage-s must be >= 0" in refused_flag_line(lab, ["--slow-storage-s", "-1"])
+    assert "must be a positive integer, got 0" in refused_flag_line(lab, ["--accum-steps", "0"])
+
+
+def test_the_checker_refuses_a_missing_script_in_one_line(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        checker.main([str(Path("no_such_lab10.py"))])
+    assert stopped.value.code == 2
+    assert [line for line in capsys.readouterr().err.splitlines() if "error:" in line] == [
+        "lab10_check.py: error: no file no_such_lab10.py: give your fixed copy, e.g. my_lab10.py"
+    ]
