@@ -238,7 +238,7 @@ def run_all(runs_file: str | Path, rank: int) -> int:
 
     After a failed run a peer may still be blocked in a collective: nothing after it can be trusted.
     """
-    from ddp_course.distributed import give_each_group_its_own_store_keys
+    from ddp_course.checking.rows import give_each_group_its_own_store_keys
 
     give_each_group_its_own_store_keys("timeline")  # each run forms the job's group anew
     for run in json.loads(Path(runs_file).read_text()):
