@@ -85,6 +85,11 @@ class Observation:
     out_dir: Path
     events: dict[int, list[dict]] = field(default_factory=dict)  # rank -> its events, in order
     timeout_s: float | None = None  # the job's time limit; None: JOB_TIMEOUT_S
+    world_size: int = WORLD_SIZE  # how many ranks the job ran: the launch's, never assumed by a check
+
+    @property
+    def ranks(self) -> range:
+        return range(self.world_size)
 
     @property
     def finished(self) -> bool:
@@ -116,7 +121,7 @@ class Observation:
     def final_states(self) -> dict[int, dict | None]:
         """Each rank's last published state (what it was doing when the job ended)."""
         states = {}
-        for rank in range(WORLD_SIZE):
+        for rank in self.ranks:
             path = self.out_dir / f"state-r{rank}.json"
             states[rank] = json.loads(path.read_text()) if path.exists() else None
         return states
@@ -153,19 +158,21 @@ def default_script_args(out_dir: Path) -> list:
     return [*SCRIPT_ARGS, "--save", out_dir / "model.pt", "--metrics-json", out_dir / "metrics.json"]
 
 
-def run_job(script: Path, args, nodes: int, timeout_s: float, env: dict) -> RunResult:
-    """script under torchrun on WORLD_SIZE ranks: one node (--standalone), or `nodes` nodes on this host.
+def run_job(script: Path, args, nodes: int, timeout_s: float, env: dict, world_size: int = WORLD_SIZE) -> RunResult:
+    """script under torchrun on world_size ranks: one node (--standalone), or `nodes` nodes on this host.
 
-    Several nodes are several torchrun agents (--nnodes=nodes, WORLD_SIZE // nodes processes each)
+    Several nodes are several torchrun agents (--nnodes=nodes, world_size // nodes processes each)
     that meet at a c10d rendezvous on 127.0.0.1 at a free port, as the machines of a multi-node job
     do (ddp_course/multinode.py). On two one-process nodes LOCAL_RANK is 0 on both ranks while RANK is
     0 and 1: a script that uses LOCAL_RANK where it means RANK shows it. One RunResult for the job:
     the agents' outputs one after the other, the first non-zero exit status, timed out if any agent was.
     """
     if nodes == 1:
-        return run_torchrun(script, args, nproc=WORLD_SIZE, timeout_s=timeout_s, env=env)
+        return run_torchrun(script, args, nproc=world_size, timeout_s=timeout_s, env=env)
+    if world_size % nodes:
+        raise ValueError(f"{world_size} ranks do not split evenly over {nodes} nodes")
     port = free_port()
-    command = agent_command(script, args, nnodes=str(nodes), nproc=WORLD_SIZE // nodes, endpoint=f"127.0.0.1:{port}", rdzv_id=f"observed{port}")
+    command = agent_command(script, args, nnodes=str(nodes), nproc=world_size // nodes, endpoint=f"127.0.0.1:{port}", rdzv_id=f"observed{port}")
     # The first agent hosts the rendezvous store; the other starts once it listens.
     agents = run_agents([command] * nodes, timeout_s, env=env, stagger_host=("127.0.0.1", port))
     timed_out = any(agent.timed_out for agent in agents)
@@ -194,15 +201,21 @@ def observe(script: Path, out_dir: Path, rescue: bool = True, script_args=None, 
     limit_s = JOB_TIMEOUT_S if timeout_s is None else timeout_s
     run = run_job(OBSERVER, [out_dir, script, *script_args], nodes, limit_s, env)
     observation = Observation(run, out_dir, timeout_s=limit_s)
-    for rank in range(WORLD_SIZE):
-        path = out_dir / f"events-r{rank}.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        observation.events[rank] = [event for event in map(parse_event, lines) if event is not None]
+    read_events(observation)
     return observation
 
 
-def observe_runs(runs: list[dict], folder: Path, timeout_s: float, nodes: int = 1, env=None) -> dict:
-    """{name: Observation} of several runs observed one after another in ONE launch (the observer's --runs).
+def read_events(observation: Observation) -> None:
+    """Each rank's events, from the files the observer wrote in the run's folder."""
+    for rank in observation.ranks:
+        path = observation.out_dir / f"events-r{rank}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        observation.events[rank] = [event for event in map(parse_event, lines) if event is not None]
+
+
+def observe_runs(runs: list[dict], folder: Path, timeout_s: float, nodes: int = 1, env=None, world_size: int = WORLD_SIZE) -> dict:
+    """{name: Observation} of several runs observed one after another in ONE launch (the observer's --runs),
+    on world_size ranks over `nodes` nodes (see run_job).
 
     runs: [{"name", "out_dir", "script", "args", "env" (the run's own LAB4_OBSERVE_* settings),
     "copy" (optional [[source, target]], done before the run)}]; each Observation is what observe()
@@ -212,13 +225,13 @@ def observe_runs(runs: list[dict], folder: Path, timeout_s: float, nodes: int = 
     runs_file.write_text(json.dumps([{**run, "out_dir": str(run["out_dir"]), "script": str(run["script"]), "args": [str(a) for a in run["args"]]}
                                      for run in runs], indent=1))  # fmt: skip
     env = {"CUDA_VISIBLE_DEVICES": "", "LAB4_OBSERVE_RESCUE": "1", "LAB4_OBSERVE_DIGITS": str(save_digits(folder / "digits.pt")), **(env or {})}
-    launch = run_job(OBSERVER, ["--runs", runs_file], nodes, timeout_s, env)
-    return {run["name"]: run_observation(launch, Path(run["out_dir"]), timeout_s) for run in runs}
+    launch = run_job(OBSERVER, ["--runs", runs_file], nodes, timeout_s, env, world_size)
+    return {run["name"]: run_observation(launch, Path(run["out_dir"]), timeout_s, world_size) for run in runs}
 
 
-def run_observation(launch: RunResult, out_dir: Path, timeout_s: float) -> Observation:
+def run_observation(launch: RunResult, out_dir: Path, timeout_s: float, world_size: int = WORLD_SIZE) -> Observation:
     """One run's Observation from a --runs launch: its own output and exit status, as if it had had a launch of its own."""
-    ranks = range(WORLD_SIZE)
+    ranks = range(world_size)
     statuses = [json.loads(path.read_text()) if (path := out_dir / f"status-r{rank}.json").exists() else None for rank in ranks]
     reached = all(statuses)
     skipped = next((s["skipped"] for s in statuses if s and s.get("skipped")), None)
@@ -238,11 +251,8 @@ def run_observation(launch: RunResult, out_dir: Path, timeout_s: float) -> Obser
         stderr=read("stderr") + why, wall_s=max(s["wall_s"] for s in statuses) if reached else launch.wall_s,
         timed_out=launch.timed_out and not reached,
     )  # fmt: skip
-    observation = Observation(run, out_dir, timeout_s=timeout_s)
-    for rank in ranks:
-        path = out_dir / f"events-r{rank}.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        observation.events[rank] = [event for event in map(parse_event, lines) if event is not None]
+    observation = Observation(run, out_dir, timeout_s=timeout_s, world_size=world_size)
+    read_events(observation)
     return observation
 
 
@@ -255,40 +265,40 @@ def parse_event(line: str) -> dict | None:
 
 # --- checks 1 and 4: which samples each rank read --------------------------------------------------------
 def check_data_split(obs: Observation, train_size: int) -> Verdict:
-    orders = {rank: obs.batches(rank, "train", 0) for rank in range(WORLD_SIZE)}
+    orders = {rank: obs.batches(rank, "train", 0) for rank in obs.ranks}
     silent = [rank for rank, order in orders.items() if not order]
     if silent:
         return Verdict(1, "BLOCKED", f"rank {silent[0]} read no training batch: the job {obs.ended()}")
-    for rank in range(WORLD_SIZE):
-        for other in range(rank + 1, WORLD_SIZE):
+    for rank in obs.ranks:
+        for other in range(rank + 1, obs.world_size):
             shared = set(orders[rank]) & set(orders[other])
             # DistributedSampler pads the last round with fewer than world_size repeated samples.
-            if len(shared) >= WORLD_SIZE:
+            if len(shared) >= obs.world_size:
                 first = next(i for i in orders[rank] if i in shared)
                 return Verdict(
                     1, "FAIL",
                     f"ranks {rank} and {other} both trained on sample {first} in epoch 0 ({len(shared)} of the "
                     f"{train_size} training samples were read by both)",
                 )  # fmt: skip
-    epoch_complete = obs.finished or all(obs.passes(rank, "train") > 1 for rank in range(WORLD_SIZE))
+    epoch_complete = obs.finished or all(obs.passes(rank, "train") > 1 for rank in obs.ranks)
     if not epoch_complete:
         return Verdict(1, "BLOCKED", f"epoch 0 never completed: the job {obs.ended()}")
     unread = set(range(train_size)) - set().union(*orders.values())
     if unread:
         return Verdict(1, "FAIL", f"{len(unread)} training samples were read by no rank in epoch 0 (sample {min(unread)}, ...)")
-    sizes = ", ".join(str(len(orders[rank])) for rank in range(WORLD_SIZE))
+    sizes = ", ".join(str(len(orders[rank])) for rank in obs.ranks)
     return Verdict(1, "PASS", f"in epoch 0 the ranks read disjoint shares ({sizes} samples) covering all {train_size}")
 
 
 def check_epoch_shuffle(obs: Observation) -> Verdict:
     repeated = []
-    for rank in range(WORLD_SIZE):
+    for rank in obs.ranks:
         first, second = obs.batches(rank, "train", 0), obs.batches(rank, "train", 1)
         if not second:
             return Verdict(4, "BLOCKED", f"rank {rank} never started a second epoch: the job {obs.ended()}")
         if second == first[: len(second)]:
             repeated.append((rank, second))
-    if len(repeated) == WORLD_SIZE:
+    if len(repeated) == obs.world_size:
         rank, order = repeated[0]
         start = ", ".join(map(str, order[:4]))
         return Verdict(4, "FAIL", f"rank {rank} read the same {len(order)} samples in the same order in epochs 0 and 1 ({start}, ...)")
@@ -417,7 +427,7 @@ def gradient_steps(obs: Observation, train, count: int = 3, own_params: bool = F
     expected_shapes = [list(p.shape) for p in DigitsCNN().parameters()]
     steps = []
     for step in range(1, count + 1):
-        records = {rank: obs.step_record(rank, step) for rank in range(WORLD_SIZE)}
+        records = {rank: obs.step_record(rank, step) for rank in obs.ranks}
         if any(record is None for record in records.values()):
             break
         if records[0]["shapes"] != expected_shapes:
@@ -437,7 +447,7 @@ def check_gradient_scale(steps, problem: str | None, obs: Observation) -> tuple[
         return Verdict(7, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}"), None
     first = steps[0]
     scale, residual = best_multiple(first.observed, first.reference)
-    global_batch = f"{WORLD_SIZE} ranks x {BATCH_SIZE} samples"
+    global_batch = f"{obs.world_size} ranks x {BATCH_SIZE} samples"
     if residual > first.tolerance:
         off = relative(first.observed, first.reference)
         return Verdict(7, "FAIL", f"step 1's gradient is not the gradient of the mean loss over the global batch ({global_batch}): relative difference {off:.2f}"), None
@@ -548,7 +558,7 @@ def accuracy_verdict(number: int, reported: float, obs: Observation, weights: di
     if abs(reported - correct / total) < 0.5 / total:
         return Verdict(number, "PASS", f"the reported {name} {reported:.4f} is the saved model's on all {total} held-out images ({correct}/{total})")
     whole = f"on all {total} held-out images it scores {correct / total:.4f} ({correct}/{total})"
-    for rank in range(WORLD_SIZE):
+    for rank in obs.ranks:
         seen = sorted(set(obs.batches(rank, "held_out", obs.passes(rank, "held_out") - 1)))
         if seen and len(seen) < total:
             shard = torch.tensor(seen)
@@ -582,7 +592,7 @@ def describe_unmatched(event: dict) -> str:
 
 
 def check_collectives(obs: Observation) -> Verdict:
-    events = [e for rank in range(WORLD_SIZE) for e in obs.events.get(rank, [])]
+    events = [e for rank in obs.ranks for e in obs.events.get(rank, [])]
     unmatched = sorted((e for e in events if e["kind"] == "collective" and e["decision"] == "skip"), key=lambda e: (e["progress"], e["rank"]))
     if unmatched:
         first = unmatched[0]
