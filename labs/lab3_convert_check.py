@@ -100,13 +100,13 @@ import math
 import re
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from ddp_course.checking.verdict import Verdict, summary
 from ddp_course.cli import CourseArgumentParser, positive_float
 from ddp_course.launch import REPO_ROOT, import_script
 
@@ -160,21 +160,15 @@ ACCURACY = re.compile(r"accuracy.*?(\d+\.\d+|\d+(?=\s*%))(\s*%)?", re.IGNORECASE
 LOSS_LINE = re.compile(r"\bstep (\d+)\b.*?\bloss (\d+\.\d+)")
 
 
-@dataclass
-class Verdict:
-    number: int
-    status: str  # PASS, FAIL or BLOCKED
-    evidence: str
-
-    def line(self) -> str:
-        name, hint = CHECKS[self.number]
-        text = f"{self.number:>2} {name:<15} {self.status:<7} {self.evidence}"
-        return text + (f" -- hint: {hint}" if self.status == "FAIL" else "")
+def verdict(number: int, status: str, evidence: str) -> Verdict:
+    """Check `number`'s verdict (ddp_course.checking's one type), with its name and hint from CHECKS."""
+    name, hint = CHECKS[number]
+    return Verdict(name, status, evidence, hint=hint, number=number)
 
 
-def renumbered(number: int, verdict) -> Verdict:
-    """A verdict of lab 4's checker, under this checker's number."""
-    return Verdict(number, verdict.status, verdict.evidence)
+def renumbered(number: int, lab4_verdict: Verdict) -> Verdict:
+    """A verdict of lab 4's checker, under this checker's number (and name and hint)."""
+    return verdict(number, lab4_verdict.status, lab4_verdict.evidence)
 
 
 def named(ranks) -> str:
@@ -307,61 +301,61 @@ def check_data_split(obs, train_size: int) -> Verdict:
         orders = {rank: obs.batches(rank, "train", epoch) for rank in obs.ranks}
         silent = [rank for rank, order in orders.items() if not order]
         if silent:
-            return Verdict(1, "BLOCKED", f"rank {silent[0]} read no training batch in epoch {epoch}: the job {obs.ended()}")
+            return verdict(1, "BLOCKED", f"rank {silent[0]} read no training batch in epoch {epoch}: the job {obs.ended()}")
         for rank in obs.ranks:
             for other in range(rank + 1, obs.world_size):
                 shared = set(orders[rank]) & set(orders[other])
                 if len(shared) > padding:
                     first = next(i for i in orders[rank] if i in shared)
-                    return Verdict(1, "FAIL", f"ranks {rank} and {other} both trained on sample {first} in epoch {epoch} ({len(shared)} of the {train_size} training samples were read by both)")
+                    return verdict(1, "FAIL", f"ranks {rank} and {other} both trained on sample {first} in epoch {epoch} ({len(shared)} of the {train_size} training samples were read by both)")
         read = [index for order in orders.values() for index in order]
         repeats = len(read) - len(set(read))
         if repeats > padding:
-            return Verdict(1, "FAIL", f"{repeats} training samples were read more than once in epoch {epoch}; padding to a multiple of {obs.world_size} ranks repeats {padding}")
+            return verdict(1, "FAIL", f"{repeats} training samples were read more than once in epoch {epoch}; padding to a multiple of {obs.world_size} ranks repeats {padding}")
         unread = set(range(train_size)) - set(read)
         if unread:
-            return Verdict(1, "FAIL", f"{len(unread)} training samples were read by no rank in epoch {epoch} (sample {min(unread)}, ...)")
+            return verdict(1, "FAIL", f"{len(unread)} training samples were read by no rank in epoch {epoch} (sample {min(unread)}, ...)")
     sizes = ", ".join(str(len(obs.batches(rank, "train", 0))) for rank in obs.ranks)
     padded = f", {padding} of them twice: the sampler's padding to {train_size + padding}" if padding else ", each once"
-    return Verdict(1, "PASS", f"in each of the {EPOCHS} epochs the ranks read shares ({sizes} samples) covering all {train_size}{padded}")
+    return verdict(1, "PASS", f"in each of the {EPOCHS} epochs the ranks read shares ({sizes} samples) covering all {train_size}{padded}")
 
 
 # --- check 3: equal replicas ----------------------------------------------------------------------------
 def check_equal_replicas(obs, steps) -> Verdict:
     if not steps:
-        return Verdict(3, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
+        return verdict(3, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
     for number, records in enumerate(steps, start=1):
         for rank in records:  # every rank against rank 0
             difference = lab4.relative(records[0]["params"], records[rank]["params"])
             if difference <= REPLICA_TOLERANCE:
                 continue
             if number == 1:
-                return Verdict(3, "FAIL", f"before the first optimizer step rank {rank}'s weights differ from rank 0's (relative difference {difference:.2f}): the replicas started apart")
+                return verdict(3, "FAIL", f"before the first optimizer step rank {rank}'s weights differ from rank 0's (relative difference {difference:.2f}): the replicas started apart")
             applied = lab4.relative(steps[number - 2][0]["grads"], steps[number - 2][rank]["grads"])
             if applied > REPLICA_TOLERANCE:  # different gradients, different weights: the gradient's checks say why
-                return Verdict(3, "BLOCKED", f"the replicas started equal, but ranks 0 and {rank} applied different gradients in step {number - 1} (relative difference {applied:.1e}): checks 4 and 8 judge those")
-            return Verdict(3, "FAIL", f"the replicas started equal and applied the same gradient in step {number - 1}, but before step {number} rank {rank}'s weights differ from rank 0's (relative difference {difference:.1e}): the optimizers differ")
+                return verdict(3, "BLOCKED", f"the replicas started equal, but ranks 0 and {rank} applied different gradients in step {number - 1} (relative difference {applied:.1e}): checks 4 and 8 judge those")
+            return verdict(3, "FAIL", f"the replicas started equal and applied the same gradient in step {number - 1}, but before step {number} rank {rank}'s weights differ from rank 0's (relative difference {difference:.1e}): the optimizers differ")
     made = [sum(event["kind"] == "step" for event in obs.events.get(rank, [])) for rank in obs.ranks]
     if len(set(made)) > 1:
         counts = ", ".join(f"rank {rank} {count}" for rank, count in zip(obs.ranks, made))
-        return Verdict(3, "FAIL", f"the ranks made different numbers of optimizer steps ({counts})")
-    return Verdict(3, "PASS", f"all {obs.world_size} ranks held the same weights before each of their {len(steps)} optimizer steps")
+        return verdict(3, "FAIL", f"the ranks made different numbers of optimizer steps ({counts})")
+    return verdict(3, "PASS", f"all {obs.world_size} ranks held the same weights before each of their {len(steps)} optimizer steps")
 
 
 # --- check 4: each backward's gradient, and the one-process replay -------------------------------------
 def check_global_gradient(obs, steps, reference, others_pass: dict[int, bool]) -> Verdict:
     if not steps:
-        return Verdict(4, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
+        return verdict(4, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
     if not reference.shapes_ok:
-        return Verdict(4, "BLOCKED", "the optimizer's parameters are not those of labs/train_realistic.py's DigitsNet")
+        return verdict(4, "BLOCKED", "the optimizer's parameters are not those of labs/train_realistic.py's DigitsNet")
     if problem := micro_batches_ok(steps[:REFERENCE_STEPS]):
-        return Verdict(4, "BLOCKED", problem)
+        return verdict(4, "BLOCKED", problem)
     observed_parts, expected_parts = [], []
     for step, records in enumerate(steps[:REFERENCE_STEPS]):
         for rank, record in records.items():
             first = record["micro_batches"][0]["grad_before"]
             if first is not None and float(first.abs().max()) > 0:
-                return Verdict(4, "FAIL", f"step {step + 1}'s first backward on rank {rank} added to a gradient left over from step {step}: gradients pile up from step to step")
+                return verdict(4, "FAIL", f"step {step + 1}'s first backward on rank {rank} added to a gradient left over from step {step}: gradients pile up from step to step")
         ranks = list(records)
         for j, micro_batch in enumerate(records[0]["micro_batches"]):
             expected = [reference.micro_batch(step, rank, j)[0] / ACCUMULATION for rank in ranks]
@@ -371,7 +365,7 @@ def check_global_gradient(obs, steps, reference, others_pass: dict[int, bool]) -
             if micro_batch["synced"]:  # DDP averaged: after = mean over ranks of (before + this micro-batch's gradient)
                 apart = next((rank for rank, after in zip(ranks, afters) if lab4.relative(afters[0], after) > TOLERANCE), None)
                 if apart is not None:
-                    return Verdict(4, "FAIL", f"after the all-reducing backward of step {step + 1} ranks 0 and {apart} hold different gradients: they were not averaged")
+                    return verdict(4, "FAIL", f"after the all-reducing backward of step {step + 1} ranks 0 and {apart} hold different gradients: they were not averaged")
                 observed_parts.append(afters[0] - torch.stack(befores).mean(dim=0))
                 expected_parts.append(torch.stack(expected).mean(dim=0))
             else:  # a local backward: after = before + this micro-batch's gradient, on each rank
@@ -382,20 +376,20 @@ def check_global_gradient(obs, steps, reference, others_pass: dict[int, bool]) -
     scale, residual = lab4.best_multiple(observed, expected)
     global_batch = f"{obs.world_size} ranks x {ACCUMULATION} micro-batches of {BATCH_SIZE}"
     if residual > TOLERANCE:
-        return Verdict(4, "FAIL", f"the backward passes of the first {REFERENCE_STEPS} steps do not add the mean-loss gradients of their micro-batches: relative difference {lab4.relative(observed, expected):.2f}")
+        return verdict(4, "FAIL", f"the backward passes of the first {REFERENCE_STEPS} steps do not add the mean-loss gradients of their micro-batches: relative difference {lab4.relative(observed, expected):.2f}")
     if abs(scale - 1) > TOLERANCE:
-        return Verdict(4, "FAIL", f"each backward adds {scale:.2f} x its micro-batch's mean-loss gradient / {ACCUMULATION}: the step's gradient is {scale:.2f} x the global batch's ({global_batch})")
+        return verdict(4, "FAIL", f"each backward adds {scale:.2f} x its micro-batch's mean-loss gradient / {ACCUMULATION}: the step's gradient is {scale:.2f} x the global batch's ({global_batch})")
     gradients = f"every backward of the first {REFERENCE_STEPS} steps added its micro-batch's mean-loss gradient / {ACCUMULATION} to an empty .grad, the all-reducing one averaged over ranks: the global batch's gradient ({global_batch})"
     blocking = [number for number in (3, 8, 9) if not others_pass.get(number)]
     if blocking:
-        return Verdict(4, "PASS", f"{gradients}; not replayed in one process, as check {', '.join(map(str, blocking))} failed")
+        return verdict(4, "PASS", f"{gradients}; not replayed in one process, as check {', '.join(map(str, blocking))} failed")
     replay = replay_in_one_process(steps[: REFERENCE_STEPS + 1], reference)
     if isinstance(replay, str):
-        return Verdict(4, "PASS", f"{gradients}; {replay}")
+        return verdict(4, "PASS", f"{gradients}; {replay}")
     difference, step = replay
     if difference > REPLAY_TOLERANCE:
-        return Verdict(4, "FAIL", f"{gradients}, but after {step} steps rank 0's weights are not those of one process with the same optimizer, schedule and clipping on the same global batches (relative difference {difference:.2f})")
-    return Verdict(4, "PASS", f"{gradients}; after {REFERENCE_STEPS} steps the weights equal one process's on the same global batches (AdamW, schedule and clipping replayed)")
+        return verdict(4, "FAIL", f"{gradients}, but after {step} steps rank 0's weights are not those of one process with the same optimizer, schedule and clipping on the same global batches (relative difference {difference:.2f})")
+    return verdict(4, "PASS", f"{gradients}; after {REFERENCE_STEPS} steps the weights equal one process's on the same global batches (AdamW, schedule and clipping replayed)")
 
 
 def replay_in_one_process(steps, reference) -> tuple[float, int] | str:
@@ -461,21 +455,21 @@ def check_checkpoint(obs, steps) -> tuple[Verdict, dict | None]:
     writers = [rank for rank in obs.ranks if any(e["kind"] == "save" and e["path"] == str(path) for e in obs.events.get(rank, []))]
     if not path.exists():
         if obs.finished:
-            return Verdict(5, "FAIL", "the job finished but wrote no file at --save"), None
-        return Verdict(5, "BLOCKED", f"no file at --save: the job {obs.ended()} before writing it"), None
+            return verdict(5, "FAIL", "the job finished but wrote no file at --save"), None
+        return verdict(5, "BLOCKED", f"no file at --save: the job {obs.ended()} before writing it"), None
     state, problem = load_checkpoint(path)
     if problem:
-        return Verdict(5, "FAIL", problem), None
+        return verdict(5, "FAIL", problem), None
     model, weights, evidence = lab4.load_into_bare_model(state, reference_model)
     if evidence:
-        return Verdict(5, "FAIL", evidence), weights
+        return verdict(5, "FAIL", evidence), weights
     if len(writers) > 1:
-        return Verdict(5, "FAIL", f"{named(writers)} each called torch.save on {path.name}: one file, {len(writers)} writers"), weights
+        return verdict(5, "FAIL", f"{named(writers)} each called torch.save on {path.name}: one file, {len(writers)} writers"), weights
     if steps and torch.equal(parameters_to_vector(model.parameters()), steps[0][0]["params"]):
-        return Verdict(5, "FAIL", "it holds the initial weights: training never reached the saved file"), weights
+        return verdict(5, "FAIL", "it holds the initial weights: training never reached the saved file"), weights
     who = "rank 0 alone wrote it" if writers == [0] else f"rank {writers[0]} wrote it" if writers else "no rank called torch.save on it"
     status = "PASS" if writers == [0] else "FAIL"
-    return Verdict(5, status, f"{who}; its 'model' loads into a bare DigitsNet (strict) and holds trained weights"), weights
+    return verdict(5, status, f"{who}; its 'model' loads into a bare DigitsNet (strict) and holds trained weights"), weights
 
 
 # --- check 6: the printed accuracy ----------------------------------------------------------------------
@@ -524,20 +518,20 @@ def check_job_metrics(obs, weights, held_out, blocked_by: str | None) -> Verdict
     reported = printed_accuracy(obs.run.stdout)
     if reported is None:
         if obs.finished:
-            return Verdict(6, "FAIL", "the job printed no line with the word accuracy and a number (as in: held-out accuracy 0.9721)")
-        return Verdict(6, "BLOCKED", f"no accuracy was printed: the job {obs.ended()} before")
+            return verdict(6, "FAIL", "the job printed no line with the word accuracy and a number (as in: held-out accuracy 0.9721)")
+        return verdict(6, "BLOCKED", f"no accuracy was printed: the job {obs.ended()} before")
     if blocked_by:
-        return Verdict(6, "BLOCKED", blocked_by)
+        return verdict(6, "BLOCKED", blocked_by)
     images, labels = held_out.tensors
     reads = last_held_out_reads(obs)
     if twice := scored_more_than_once(reads, len(labels)):
-        return Verdict(6, "FAIL", twice)
+        return verdict(6, "FAIL", twice)
     if weights is None:
-        return Verdict(6, "BLOCKED", "no usable weights at --save to recompute the accuracy from")
+        return verdict(6, "BLOCKED", "no usable weights at --save to recompute the accuracy from")
     correct, total = count_correct(weights, images, labels), len(labels)
     if abs(reported - correct / total) < 0.5 / total:
         shares = f"{', '.join(str(len(images)) for images in reads.values())} by {named(reads)}" if reads else "by no DataLoader the observer saw"
-        return Verdict(6, "PASS", f"the last printed accuracy {reported:.4f} is the saved model's on all {total} held-out images ({correct}/{total}), each scored once ({shares})")
+        return verdict(6, "PASS", f"the last printed accuracy {reported:.4f} is the saved model's on all {total} held-out images ({correct}/{total}), each scored once ({shares})")
     whole = f"on all {total} held-out images it scores {correct / total:.4f} ({correct}/{total})"
     for rank in obs.ranks:
         seen = sorted(set(obs.batches(rank, "held_out", obs.passes(rank, "held_out") - 1)))
@@ -545,8 +539,8 @@ def check_job_metrics(obs, weights, held_out, blocked_by: str | None) -> Verdict
             shard = torch.tensor(seen)
             shard_correct = count_correct(weights, images[shard], labels[shard])
             if abs(reported - shard_correct / len(seen)) < 0.5 / len(seen):
-                return Verdict(6, "FAIL", f"the last printed accuracy {reported:.4f} is the saved model's score on the {len(seen)} held-out images rank {rank} evaluated ({shard_correct}/{len(seen)}); {whole}")
-    return Verdict(6, "FAIL", f"the last printed accuracy is {reported:.4f}, but {whole}")
+                return verdict(6, "FAIL", f"the last printed accuracy {reported:.4f} is the saved model's score on the {len(seen)} held-out images rank {rank} evaluated ({shard_correct}/{len(seen)}); {whole}")
+    return verdict(6, "FAIL", f"the last printed accuracy is {reported:.4f}, but {whole}")
 
 
 # --- check 7: a clean exit ------------------------------------------------------------------------------
@@ -554,12 +548,12 @@ def check_clean_exit(obs) -> Verdict:
     collectives = lab4.check_collectives(obs)
     if collectives.status == "FAIL":
         # Lab 4's scripts take --timeout-s; a script here sets its process group's timeout itself.
-        return Verdict(7, "FAIL", collectives.evidence.replace("until --timeout-s", "until their process group's timeout"))
+        return verdict(7, "FAIL", collectives.evidence.replace("until --timeout-s", "until their process group's timeout"))
     if not obs.finished:
-        return Verdict(7, "FAIL", f"the job {obs.ended()}")
+        return verdict(7, "FAIL", f"the job {obs.ended()}")
     if problem := teardown_problem(obs):
-        return Verdict(7, "FAIL", problem)
-    return Verdict(7, "PASS", f"{collectives.evidence} with exit status 0; every rank destroyed its process group after its DDP model was gone")
+        return verdict(7, "FAIL", problem)
+    return verdict(7, "PASS", f"{collectives.evidence} with exit status 0; every rank destroyed its process group after its DDP model was gone")
 
 
 def teardown_problem(obs) -> str | None:
@@ -583,29 +577,29 @@ def teardown_problem(obs) -> str | None:
 # --- check 8: clipping ----------------------------------------------------------------------------------
 def check_clipping(obs, steps, reference, gradient_ok: bool) -> Verdict:
     if not steps:
-        return Verdict(8, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
+        return verdict(8, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
     clipped, first = 0, None
     for number, records in enumerate(steps, start=1):
         norms = []
         for rank, record in records.items():
             clips, backwards = record["clips"], len(record["micro_batches"])
             if not clips:
-                return Verdict(8, "FAIL", f"rank {rank} made no clip_grad_norm_ call in step {number} (clip with torch.nn.utils.clip_grad_norm_, as labs/train_realistic.py does)")
+                return verdict(8, "FAIL", f"rank {rank} made no clip_grad_norm_ call in step {number} (clip with torch.nn.utils.clip_grad_norm_, as labs/train_realistic.py does)")
             if len(clips) > 1 or clips[0]["after_backwards"] != backwards:
-                return Verdict(8, "FAIL", f"rank {rank} called clip_grad_norm_ {len(clips)} times in step {number}, the first after backward {clips[0]['after_backwards']} of {backwards}: it clipped a gradient not yet averaged over ranks, with its own norm")
+                return verdict(8, "FAIL", f"rank {rank} called clip_grad_norm_ {len(clips)} times in step {number}, the first after backward {clips[0]['after_backwards']} of {backwards}: it clipped a gradient not yet averaged over ranks, with its own norm")
             clip = clips[0]
             if abs(clip["max_norm"] - CLIP_NORM) > 1e-12:
-                return Verdict(8, "FAIL", f"rank {rank} clipped to {clip['max_norm']:g}, not to --clip-norm {CLIP_NORM:g}")
+                return verdict(8, "FAIL", f"rank {rank} clipped to {clip['max_norm']:g}, not to --clip-norm {CLIP_NORM:g}")
             synced = record["micro_batches"][-1]["grad_after"] if record["micro_batches"] else None
             if clip["before"] is not None and synced is not None and lab4.relative(clip["before"], synced) > TOLERANCE:
-                return Verdict(8, "FAIL", f"rank {rank}'s clip_grad_norm_ in step {number} was given other gradients than the step's last backward left (relative difference {lab4.relative(clip['before'], synced):.2f})")
+                return verdict(8, "FAIL", f"rank {rank}'s clip_grad_norm_ in step {number} was given other gradients than the step's last backward left (relative difference {lab4.relative(clip['before'], synced):.2f})")
             coefficient = min(1.0, clip["max_norm"] / (clip["norm"] + 1e-6))
             if clip["before"] is not None and (lab4.relative(clip["after"], clip["before"] * coefficient) > TOLERANCE or lab4.relative(record["grads"], clip["after"]) > TOLERANCE):
-                return Verdict(8, "FAIL", f"rank {rank}'s gradients in step {number} are not the clipped ones at the optimizer step")
+                return verdict(8, "FAIL", f"rank {rank}'s gradients in step {number} are not the clipped ones at the optimizer step")
             norms.append(clip["norm"])
         apart = next((rank for rank, norm in enumerate(norms) if abs(norms[0] - norm) > TOLERANCE * max(norms)), None)
         if apart is not None:
-            return Verdict(8, "FAIL", f"in step {number} rank 0 clipped with norm {norms[0]:.4f} and rank {apart} with {norms[apart]:.4f}: each clipped its own gradient")
+            return verdict(8, "FAIL", f"in step {number} rank 0 clipped with norm {norms[0]:.4f} and rank {apart} with {norms[apart]:.4f}: each clipped its own gradient")
         clipped += norms[0] > CLIP_NORM
         first = first if first is not None else norms[0]
     evidence = (
@@ -614,7 +608,7 @@ def check_clipping(obs, steps, reference, gradient_ok: bool) -> Verdict:
     )  # fmt: skip
     if gradient_ok and reference.shapes_ok and not micro_batches_ok(steps[:1]):
         evidence += f", one process's global gradient: {float(reference.step_gradient(0).norm()):.4f}"
-    return Verdict(8, "PASS", evidence + ")")
+    return verdict(8, "PASS", evidence + ")")
 
 
 # --- check 9: the learning-rate schedule ----------------------------------------------------------------
@@ -651,7 +645,7 @@ def lr_scaling(steps, expected: list[float], world_size: int) -> tuple[float, st
 
 def check_lr_schedule(obs, steps, train_size: int) -> Verdict:
     if not steps:
-        return Verdict(9, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
+        return verdict(9, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
     one_process = one_process_schedule(train_size, len(steps), obs.world_size)
     factor, peak = lr_scaling(steps, one_process, obs.world_size)
     expected = [factor * lr for lr in one_process]
@@ -661,30 +655,30 @@ def check_lr_schedule(obs, steps, train_size: int) -> Verdict:
             if not isinstance(lr, float) or abs(lr - expected[number - 1]) > 1e-9 * factor * PEAK_LR:
                 shown = ", ".join(f"{r[rank]['optimizer']['groups'][0]['settings'].get('lr', float('nan')):.2e}" for r in steps[:6])
                 wanted = ", ".join(f"{value:.2e}" for value in expected[:6])
-                return Verdict(9, "FAIL", f"rank {rank}'s learning rate at optimizer step {number} is {lr:.3e}, one process's is {expected[number - 1]:.3e} (steps 1-6: {shown}; one process: {wanted})")
-    return Verdict(9, "PASS", f"at each of the {len(steps)} optimizer steps every rank's learning rate is one process's schedule on the global batch (warm-up over {WARMUP_STEPS} steps to the peak {peak} = {factor * PEAK_LR:.3g}, then a cosine)")
+                return verdict(9, "FAIL", f"rank {rank}'s learning rate at optimizer step {number} is {lr:.3e}, one process's is {expected[number - 1]:.3e} (steps 1-6: {shown}; one process: {wanted})")
+    return verdict(9, "PASS", f"at each of the {len(steps)} optimizer steps every rank's learning rate is one process's schedule on the global batch (warm-up over {WARMUP_STEPS} steps to the peak {peak} = {factor * PEAK_LR:.3g}, then a cosine)")
 
 
 # --- check 10: accumulation -----------------------------------------------------------------------------
 def check_accumulation(obs, steps) -> Verdict:
     if not steps:
-        return Verdict(10, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
+        return verdict(10, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
     micro_batches = 0
     for number, records in enumerate(steps, start=1):
         for rank, record in records.items():
             count, forwards = len(record["micro_batches"]), record["forwards"]
             micro_batches += count if rank == 0 else 0
             if count != ACCUMULATION and not (number % (len(steps) // EPOCHS) == 0 and 0 < count < ACCUMULATION):
-                return Verdict(10, "FAIL", f"optimizer step {number} ran {count} micro-batch(es) on rank {rank}, not --accumulation {ACCUMULATION}")
+                return verdict(10, "FAIL", f"optimizer step {number} ran {count} micro-batch(es) on rank {rank}, not --accumulation {ACCUMULATION}")
             if forwards["synced"] + forwards["unsynced"] == 0:
-                return Verdict(10, "BLOCKED", "no forward of a DistributedDataParallel model was seen: no all-reduce to count")
+                return verdict(10, "BLOCKED", "no forward of a DistributedDataParallel model was seen: no all-reduce to count")
             if forwards["synced"] != 1:
-                return Verdict(10, "FAIL", f"in optimizer step {number} rank {rank} ran {forwards['synced']} backward passes that all-reduce (of {count} micro-batches): the gradient is correct (check 4), but it costs {forwards['synced']} x the communication of one all-reduce per optimizer step")
+                return verdict(10, "FAIL", f"in optimizer step {number} rank {rank} ran {forwards['synced']} backward passes that all-reduce (of {count} micro-batches): the gradient is correct (check 4), but it costs {forwards['synced']} x the communication of one all-reduce per optimizer step")
             if not record["micro_batches"][-1]["synced"]:
-                return Verdict(10, "FAIL", f"in optimizer step {number} the all-reducing backward on rank {rank} was not the last micro-batch's: the later ones' gradients stayed local")
+                return verdict(10, "FAIL", f"in optimizer step {number} the all-reducing backward on rank {rank} was not the last micro-batch's: the later ones' gradients stayed local")
     short = sorted({len(record["micro_batches"]) for records in steps for record in records.values()} - {ACCUMULATION})
     remainder = f" (an epoch's last: {', '.join(map(str, short))})" if short else ""
-    return Verdict(10, "PASS", f"every optimizer step ran {ACCUMULATION} micro-batches on each rank{remainder} and only the last one's backward all-reduced: {len(steps)} all-reduces for {len(steps)} optimizer steps ({micro_batches} micro-batches per rank)")
+    return verdict(10, "PASS", f"every optimizer step ran {ACCUMULATION} micro-batches on each rank{remainder} and only the last one's backward all-reduced: {len(steps)} all-reduces for {len(steps)} optimizer steps ({micro_batches} micro-batches per rank)")
 
 
 # --- check 11: the printed loss -------------------------------------------------------------------------
@@ -693,16 +687,16 @@ def check_printed_loss(obs, steps, reference) -> Verdict:
     speakers = [rank for rank, found in lines.items() if found]
     if not speakers:
         if obs.finished:
-            return Verdict(11, "FAIL", "no rank printed a line with 'step N' and 'loss X' (as in: step 10: train loss 0.4321)")
-        return Verdict(11, "BLOCKED", f"no loss line was printed: the job {obs.ended()}")
+            return verdict(11, "FAIL", "no rank printed a line with 'step N' and 'loss X' (as in: step 10: train loss 0.4321)")
+        return verdict(11, "BLOCKED", f"no loss line was printed: the job {obs.ended()}")
     if len(speakers) > 1:
-        return Verdict(11, "FAIL", f"{named(speakers)} each printed {len(lines[speakers[1]])} loss lines: one line per job, from one rank")
+        return verdict(11, "FAIL", f"{named(speakers)} each printed {len(lines[speakers[1]])} loss lines: one line per job, from one rank")
     if not reference.shapes_ok or micro_batches_ok(steps):
-        return Verdict(11, "BLOCKED", "the micro-batches cannot be recomputed (see check 4)")
+        return verdict(11, "BLOCKED", "the micro-batches cannot be recomputed (see check 4)")
     speaker, previous = speakers[0], 0
     for step, text in lines[speaker]:
         if not 0 < step <= len(steps) or step <= previous:
-            return Verdict(11, "FAIL", f"rank {speaker} printed a loss for step {step}, which is not a step the job made after the previous line's")
+            return verdict(11, "FAIL", f"rank {speaker} printed a loss for step {step}, which is not a step the job made after the previous line's")
         losses = {rank: torch.cat([reference.losses(s, rank, j) for s in range(previous, step) for j in range(len(steps[s][rank]["micro_batches"]))])
                   for rank in obs.ranks}  # fmt: skip
         job = float(torch.cat(list(losses.values())).double().mean())
@@ -712,10 +706,10 @@ def check_printed_loss(obs, steps, reference) -> Verdict:
         if abs(printed - job) > tolerance:
             own = float(losses[speaker].double().mean())
             if abs(printed - own) <= tolerance:
-                return Verdict(11, "FAIL", f"the loss printed at step {step}, {text}, is rank {speaker}'s own samples' mean; over every rank's samples since the last line it is {job:.{decimals}f}")
-            return Verdict(11, "FAIL", f"the loss printed at step {step} is {text}; over every rank's samples since the last line it is {job:.{decimals}f}")
+                return verdict(11, "FAIL", f"the loss printed at step {step}, {text}, is rank {speaker}'s own samples' mean; over every rank's samples since the last line it is {job:.{decimals}f}")
+            return verdict(11, "FAIL", f"the loss printed at step {step} is {text}; over every rank's samples since the last line it is {job:.{decimals}f}")
         previous = step
-    return Verdict(11, "PASS", f"rank {speaker} alone printed the loss, {len(lines[speaker])} times, each the mean over every rank's samples since the line before (within half a unit of its last digit)")
+    return verdict(11, "PASS", f"rank {speaker} alone printed the loss, {len(lines[speaker])} times, each the mean over every rank's samples since the line before (within half a unit of its last digit)")
 
 
 # --- check 12: resume -----------------------------------------------------------------------------------
@@ -743,30 +737,30 @@ def check_resume(straight, resumed, replicas_ok: bool, straight_steps=None) -> V
     (weights, learning rate, optimizer state), however the state got there (each rank's torch.load, or rank
     0's load and a broadcast), and the resumed run ends on the straight run's weights."""
     if not straight.finished:
-        return Verdict(12, "BLOCKED", f"the first run {straight.ended()}, so no second run resumed from it")
+        return verdict(12, "BLOCKED", f"the first run {straight.ended()}, so no second run resumed from it")
     if not first_checkpoint(straight.out_dir).exists():
-        return Verdict(12, "BLOCKED", "rank 0 of the first run wrote no checkpoint to resume from")
+        return verdict(12, "BLOCKED", "rank 0 of the first run wrote no checkpoint to resume from")
     saved = str((straight.out_dir / "model.pt").resolve())
     first_save = next((e for e in straight.events.get(0, []) if e["kind"] == "save" and e["path"] == saved), None)
     if first_save is not None and first_save.get("epoch", 0) != RESUME_AFTER_EPOCH - 1:
-        return Verdict(12, "FAIL", f"rank 0 first wrote --save during epoch {first_save['epoch'] + 1}, not at the end of epoch {RESUME_AFTER_EPOCH}: a checkpoint every epoch is what a resume starts from")
+        return verdict(12, "FAIL", f"rank 0 first wrote --save during epoch {first_save['epoch'] + 1}, not at the end of epoch {RESUME_AFTER_EPOCH}: a checkpoint every epoch is what a resume starts from")
     if not replicas_ok:
-        return Verdict(12, "BLOCKED", "the first run's replicas differ (check 3): a resume from rank 0's file cannot follow them")
+        return verdict(12, "BLOCKED", "the first run's replicas differ (check 3): a resume from rank 0's file cannot follow them")
     if not resumed.finished:
-        return Verdict(12, "FAIL", f"the run with --resume {resumed.ended()}")
+        return verdict(12, "FAIL", f"the run with --resume {resumed.ended()}")
     target = str((resumed.out_dir / "model.pt").resolve())
     loaded = []
     for rank in resumed.ranks:
         loads = [e for e in resumed.events.get(rank, []) if e["kind"] == "load" and e["path"] == target]
         if loads and loads[0]["map_location"] is None:
-            return Verdict(12, "FAIL", f"rank {rank} loaded the checkpoint without map_location: on GPUs every rank would put the tensors saved from cuda:0 on cuda:0 (the CPU cannot show it; the checker reads the argument)")
+            return verdict(12, "FAIL", f"rank {rank} loaded the checkpoint without map_location: on GPUs every rank would put the tensors saved from cuda:0 on cuda:0 (the CPU cannot show it; the checker reads the argument)")
         loaded += [rank] if loads else []
     straight_steps = recorded_steps(straight) if straight_steps is None else straight_steps
     resumed_steps, before = recorded_steps(resumed), steps_before_resume(straight)
     if not resumed_steps:
-        return Verdict(12, "FAIL", "the run with --resume made no optimizer step on every rank")
+        return verdict(12, "FAIL", "the run with --resume made no optimizer step on every rank")
     if len(straight_steps) <= before:
-        return Verdict(12, "BLOCKED", f"the straight run recorded no step after epoch {RESUME_AFTER_EPOCH} to compare the resumed run with")
+        return verdict(12, "BLOCKED", f"the straight run recorded no step after epoch {RESUME_AFTER_EPOCH} to compare the resumed run with")
     # Step by step: a scheduler that was not restored still starts at the saved learning rate (the
     # optimizer's state holds it), and shows only at the resumed run's second step.
     for number, (records, straight_records) in enumerate(zip(resumed_steps, straight_steps[before:]), start=before + 1):
@@ -774,19 +768,19 @@ def check_resume(straight, resumed, replicas_ok: bool, straight_steps=None) -> V
             differs = resumed_state_differs(straight_records[rank], records[rank])
             if differs:
                 how = "loaded the checkpoint" if rank in loaded else "never loaded the checkpoint (and was not sent its contents)"
-                return Verdict(12, "FAIL", f"rank {rank} {how}, but at optimizer step {number} the resumed run had {differs}: every rank must go on from rank 0's file, model, optimizer and scheduler")
+                return verdict(12, "FAIL", f"rank {rank} {how}, but at optimizer step {number} the resumed run had {differs}: every rank must go on from rank 0's file, model, optimizer and scheduler")
     straight_state, problem = load_checkpoint(straight.out_dir / "model.pt")
     resumed_state, problem_resumed = load_checkpoint(resumed.out_dir / "model.pt")
     if problem or problem_resumed:
-        return Verdict(12, "BLOCKED", "a final checkpoint is unusable (check 5)")
+        return verdict(12, "BLOCKED", "a final checkpoint is unusable (check 5)")
     difference = max(lab4.relative(straight_state[name].double(), resumed_state[name].double()) for name in straight_state if straight_state[name].is_floating_point())
     if difference > REPLICA_TOLERANCE:
-        return Verdict(12, "FAIL", f"resumed after epoch {RESUME_AFTER_EPOCH}, the run ends on other weights than the run that went straight through (relative difference {difference:.1e})")
+        return verdict(12, "FAIL", f"resumed after epoch {RESUME_AFTER_EPOCH}, the run ends on other weights than the run that went straight through (relative difference {difference:.1e})")
     received = [rank for rank in resumed.ranks if rank not in loaded]
     how = f"{named(loaded)} loaded rank 0's checkpoint of epoch {RESUME_AFTER_EPOCH} (map_location given: checked as present only, the CPU cannot show which device it names)"
     if received:
         how += f", {named(received)} received its contents"
-    return Verdict(12, "PASS", f"{how}; at each optimizer step from step {before + 1} on, every rank had the straight run's weights, learning rate and optimizer state, and the run ended on the straight run's weights (relative difference {difference:.0e})")
+    return verdict(12, "PASS", f"{how}; at each optimizer step from step {before + 1} on, every rank had the straight run's weights, learning rate and optimizer state, and the run ended on the straight run's weights (relative difference {difference:.0e})")
 
 
 # --- check 13: BatchNorm's buffers ----------------------------------------------------------------------
@@ -812,8 +806,8 @@ def check_batchnorm(obs, saved_weights: dict | None = None) -> Verdict:
                 by_pass.setdefault(event["epoch"], {})[rank] = event["buffers"]
     if not by_pass:
         if not obs.finished:
-            return Verdict(13, "BLOCKED", f"no held-out pass of a DDP model was seen: the job {obs.ended()}")
-        return Verdict(13, "BLOCKED", "no pass over the held-out digits was seen while a DistributedDataParallel model existed")
+            return verdict(13, "BLOCKED", f"no held-out pass of a DDP model was seen: the job {obs.ended()}")
+        return verdict(13, "BLOCKED", "no pass over the held-out digits was seen while a DistributedDataParallel model existed")
     for number, scored in sorted(by_pass.items()):
         first = min(scored)
         for rank, buffers in sorted(scored.items()):
@@ -821,7 +815,7 @@ def check_batchnorm(obs, saved_weights: dict | None = None) -> Verdict:
             if different:
                 name, off = different
                 saves = ", which are the ones rank 0 saves" if first == 0 else ""
-                return Verdict(13, "FAIL", f"in held-out pass {number} rank {rank} scored with other BatchNorm statistics than rank {first}{saves} ({name}: relative difference {off:.1e}): the ranks scored different models")
+                return verdict(13, "FAIL", f"in held-out pass {number} rank {rank} scored with other BatchNorm statistics than rank {first}{saves} ({name}: relative difference {off:.1e}): the ranks scored different models")
     last = by_pass[max(by_pass)]
     scorers = named(sorted(last))
     if saved_weights is not None:
@@ -829,10 +823,10 @@ def check_batchnorm(obs, saved_weights: dict | None = None) -> Verdict:
         different = buffer_difference(last[min(last)], saved)
         if different:
             name, off = different
-            return Verdict(13, "FAIL", f"the last held-out pass ({scorers}) scored with other BatchNorm statistics than the checkpoint at --save holds ({name}: relative difference {off:.1e}): the printed accuracy is not the saved model's")
+            return verdict(13, "FAIL", f"the last held-out pass ({scorers}) scored with other BatchNorm statistics than the checkpoint at --save holds ({name}: relative difference {off:.1e}): the printed accuracy is not the saved model's")
     names = [name for name in last[min(last)] if "running" in name]
     who = f"{scorers} scored" if len(last) == 1 else f"{scorers} all scored"
-    return Verdict(13, "PASS", f"in each of the {len(by_pass)} held-out passes {who} with the same BatchNorm statistics ({len(names)} running buffers), in the last the ones rank 0 saves")
+    return verdict(13, "PASS", f"in each of the {len(by_pass)} held-out passes {who} with the same BatchNorm statistics ({len(names)} running buffers), in the last the ones rank 0 saves")
 
 
 # --- all checks -----------------------------------------------------------------------------------------
@@ -875,7 +869,7 @@ def judge_runs(straight, resumed) -> list[Verdict]:
     verdicts, steps = judge_each_check(straight, resumed), recorded_steps(straight)
     if steps and not trained_ddp(steps):
         return [
-            Verdict(4, "FAIL", NOT_CONVERTED) if v.number == 4 else Verdict(v.number, "BLOCKED", NOT_CONVERTED_BLOCKED) if v.status == "PASS" else v
+            verdict(4, "FAIL", NOT_CONVERTED) if v.number == 4 else verdict(v.number, "BLOCKED", NOT_CONVERTED_BLOCKED) if v.status == "PASS" else v
             for v in verdicts
         ]
     return verdicts
@@ -916,13 +910,6 @@ def judge_each_check(straight, resumed) -> list[Verdict]:
     ]
 
 
-def summary(verdicts: list[Verdict]) -> tuple[str, int]:
-    """The result line, and the exit status: 0 only when every check passed."""
-    counts = {status: sum(v.status == status for v in verdicts) for status in ("PASS", "FAIL", "BLOCKED")}
-    line = f"result: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['BLOCKED']} blocked of {len(verdicts)} checks"
-    return line, 0 if counts["PASS"] == len(verdicts) else 1
-
-
 def main(argv=None) -> int:
     parser = CourseArgumentParser(
         prog="lab3_convert_check.py",
@@ -953,8 +940,8 @@ def main(argv=None) -> int:
             for name, obs in (("first run", straight), ("resumed run", resumed)):
                 print(f"--- the script's stdout, {name}\n{obs.run.stdout}--- its stderr\n{obs.run.stderr}--- end of the script's output")
     print(f"the first run {straight.ended()}; the resumed run {resumed.ended()}")
-    for verdict in verdicts:
-        print(verdict.line())
+    for decided in verdicts:
+        print(decided.line())
     result, status = summary(verdicts)
     print(result)
     return status

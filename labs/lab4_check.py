@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from ddp_course.checking.verdict import Verdict, summary
 from ddp_course.cli import CourseArgumentParser, positive_float
 from ddp_course.data import DatasetSplits, load_digits
 from ddp_course.launch import LAUNCH_LOG_VARIABLE, REPO_ROOT, RunResult, append_to_launch_log, run_torchrun
@@ -65,16 +66,14 @@ CHECKS = {
 }  # fmt: skip
 
 
-@dataclass
-class Verdict:
-    number: int
-    status: str  # PASS, FAIL or BLOCKED
-    evidence: str
+# How lab 4's lines look: one-digit numbers, names padded to its longest (reported-accuracy).
+LINE_FORMAT = {"name_width": 18, "number_width": 1}
 
-    def line(self) -> str:
-        name, hint = CHECKS[self.number]
-        text = f"{self.number} {name:<18} {self.status:<7} {self.evidence}"
-        return text + (f" -- hint: {hint}" if self.status == "FAIL" else "")
+
+def verdict(number: int, status: str, evidence: str) -> Verdict:
+    """Check `number`'s verdict (ddp_course.checking's one type), with its name and hint from CHECKS."""
+    name, hint = CHECKS[number]
+    return Verdict(name, status, evidence, hint=hint, number=number)
 
 
 @dataclass
@@ -268,26 +267,26 @@ def check_data_split(obs: Observation, train_size: int) -> Verdict:
     orders = {rank: obs.batches(rank, "train", 0) for rank in obs.ranks}
     silent = [rank for rank, order in orders.items() if not order]
     if silent:
-        return Verdict(1, "BLOCKED", f"rank {silent[0]} read no training batch: the job {obs.ended()}")
+        return verdict(1, "BLOCKED", f"rank {silent[0]} read no training batch: the job {obs.ended()}")
     for rank in obs.ranks:
         for other in range(rank + 1, obs.world_size):
             shared = set(orders[rank]) & set(orders[other])
             # DistributedSampler pads the last round with fewer than world_size repeated samples.
             if len(shared) >= obs.world_size:
                 first = next(i for i in orders[rank] if i in shared)
-                return Verdict(
+                return verdict(
                     1, "FAIL",
                     f"ranks {rank} and {other} both trained on sample {first} in epoch 0 ({len(shared)} of the "
                     f"{train_size} training samples were read by both)",
                 )  # fmt: skip
     epoch_complete = obs.finished or all(obs.passes(rank, "train") > 1 for rank in obs.ranks)
     if not epoch_complete:
-        return Verdict(1, "BLOCKED", f"epoch 0 never completed: the job {obs.ended()}")
+        return verdict(1, "BLOCKED", f"epoch 0 never completed: the job {obs.ended()}")
     unread = set(range(train_size)) - set().union(*orders.values())
     if unread:
-        return Verdict(1, "FAIL", f"{len(unread)} training samples were read by no rank in epoch 0 (sample {min(unread)}, ...)")
+        return verdict(1, "FAIL", f"{len(unread)} training samples were read by no rank in epoch 0 (sample {min(unread)}, ...)")
     sizes = ", ".join(str(len(orders[rank])) for rank in obs.ranks)
-    return Verdict(1, "PASS", f"in epoch 0 the ranks read disjoint shares ({sizes} samples) covering all {train_size}")
+    return verdict(1, "PASS", f"in epoch 0 the ranks read disjoint shares ({sizes} samples) covering all {train_size}")
 
 
 def check_epoch_shuffle(obs: Observation) -> Verdict:
@@ -295,14 +294,14 @@ def check_epoch_shuffle(obs: Observation) -> Verdict:
     for rank in obs.ranks:
         first, second = obs.batches(rank, "train", 0), obs.batches(rank, "train", 1)
         if not second:
-            return Verdict(4, "BLOCKED", f"rank {rank} never started a second epoch: the job {obs.ended()}")
+            return verdict(4, "BLOCKED", f"rank {rank} never started a second epoch: the job {obs.ended()}")
         if second == first[: len(second)]:
             repeated.append((rank, second))
     if len(repeated) == obs.world_size:
         rank, order = repeated[0]
         start = ", ".join(map(str, order[:4]))
-        return Verdict(4, "FAIL", f"rank {rank} read the same {len(order)} samples in the same order in epochs 0 and 1 ({start}, ...)")
-    return Verdict(4, "PASS", "every rank read its samples in a new order in epoch 1")
+        return verdict(4, "FAIL", f"rank {rank} read the same {len(order)} samples in the same order in epochs 0 and 1 ({start}, ...)")
+    return verdict(4, "PASS", "every rank read its samples in a new order in epoch 1")
 
 
 # --- checks 2 and 7: gradients against a recomputed reference ----------------------------------------------
@@ -442,18 +441,18 @@ def gradient_steps(obs: Observation, train, count: int = 3, own_params: bool = F
 def check_gradient_scale(steps, problem: str | None, obs: Observation) -> tuple[Verdict, float | None]:
     """Verdict on step 1's gradient, and its scale against the reference (None: not a multiple of it)."""
     if problem:
-        return Verdict(7, "BLOCKED", problem), None
+        return verdict(7, "BLOCKED", problem), None
     if not steps:
-        return Verdict(7, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}"), None
+        return verdict(7, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}"), None
     first = steps[0]
     scale, residual = best_multiple(first.observed, first.reference)
     global_batch = f"{obs.world_size} ranks x {BATCH_SIZE} samples"
     if residual > first.tolerance:
         off = relative(first.observed, first.reference)
-        return Verdict(7, "FAIL", f"step 1's gradient is not the gradient of the mean loss over the global batch ({global_batch}): relative difference {off:.2f}"), None
+        return verdict(7, "FAIL", f"step 1's gradient is not the gradient of the mean loss over the global batch ({global_batch}): relative difference {off:.2f}"), None
     if abs(scale - 1) > first.tolerance:
-        return Verdict(7, "FAIL", f"step 1's gradient is {scale:.2f} x the gradient of the mean loss over the global batch ({global_batch})"), scale
-    return Verdict(7, "PASS", f"step 1's gradient equals the gradient of the mean loss over the global batch ({global_batch})"), scale
+        return verdict(7, "FAIL", f"step 1's gradient is {scale:.2f} x the gradient of the mean loss over the global batch ({global_batch})"), scale
+    return verdict(7, "PASS", f"step 1's gradient equals the gradient of the mean loss over the global batch ({global_batch})"), scale
 
 
 def check_fresh_gradients(steps, problem: str | None, scale: float | None, obs: Observation) -> Verdict:
@@ -467,19 +466,19 @@ def check_fresh_gradients(steps, problem: str | None, scale: float | None, obs: 
     later step can be judged by this comparison).
     """
     if problem:
-        return Verdict(2, "BLOCKED", problem)
+        return verdict(2, "BLOCKED", problem)
     if len(steps) < 2:
-        return Verdict(2, "BLOCKED", f"fewer than 2 optimizer steps were recorded: the job {obs.ended()}")
+        return verdict(2, "BLOCKED", f"fewer than 2 optimizer steps were recorded: the job {obs.ended()}")
     if scale is None:
-        return Verdict(2, "BLOCKED", "step 1's gradient is not a multiple of the reference (check 7), so later steps cannot be compared")
+        return verdict(2, "BLOCKED", "step 1's gradient is not a multiple of the reference (check 7), so later steps cannot be compared")
     for step in range(1, len(steps)):
         this, previous = steps[step], steps[step - 1]
         if best_multiple(this.observed, this.reference)[1] <= this.tolerance:
             continue
         if best_multiple(this.observed - previous.observed, this.reference)[1] <= this.tolerance:
-            return Verdict(2, "FAIL", f"step {step + 1}'s gradient is step {step}'s gradient plus that of its own batch: gradients pile up from step to step")
-        return Verdict(2, "FAIL", f"step {step + 1}'s gradient is neither its own batch's gradient nor that plus step {step}'s")
-    return Verdict(2, "PASS", f"steps 2 to {len(steps)} each hold only the gradient of their own batch")
+            return verdict(2, "FAIL", f"step {step + 1}'s gradient is step {step}'s gradient plus that of its own batch: gradients pile up from step to step")
+        return verdict(2, "FAIL", f"step {step + 1}'s gradient is neither its own batch's gradient nor that plus step {step}'s")
+    return verdict(2, "PASS", f"steps 2 to {len(steps)} each hold only the gradient of their own batch")
 
 
 # --- checks 3 and 6: the saved model and the reported accuracy ---------------------------------------------
@@ -513,21 +512,21 @@ def check_saved_model(obs: Observation) -> tuple[Verdict, dict | None]:
     path = obs.out_dir / "model.pt"
     if not path.exists():
         if obs.finished:
-            return Verdict(3, "FAIL", "the job finished but wrote no file at --save"), None
-        return Verdict(3, "BLOCKED", f"no file at --save: the job {obs.ended()} before writing it"), None
+            return verdict(3, "FAIL", "the job finished but wrote no file at --save"), None
+        return verdict(3, "BLOCKED", f"no file at --save: the job {obs.ended()} before writing it"), None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # not a torch file, or not safe to load
-        return Verdict(3, "FAIL", f"the file at --save does not load with torch.load(weights_only=True) ({type(error).__name__})"), None
+        return verdict(3, "FAIL", f"the file at --save does not load with torch.load(weights_only=True) ({type(error).__name__})"), None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        return Verdict(3, "FAIL", "the file at --save is not a state_dict (a dict of tensors)"), None
+        return verdict(3, "FAIL", "the file at --save is not a state_dict (a dict of tensors)"), None
     model, weights, evidence = load_into_bare_model(state, DigitsCNN)
     if evidence:
-        return Verdict(3, "FAIL", evidence), weights
+        return verdict(3, "FAIL", evidence), weights
     first_step = obs.step_record(0, 1)
     if first_step is not None and torch.equal(parameters_to_vector(model.parameters()), first_step["params"]):
-        return Verdict(3, "FAIL", "it holds the initial weights: training never reached the saved file"), weights
-    return Verdict(3, "PASS", "it loads into a bare DigitsCNN (strict) and holds trained weights"), weights
+        return verdict(3, "FAIL", "it holds the initial weights: training never reached the saved file"), weights
+    return verdict(3, "PASS", "it loads into a bare DigitsCNN (strict) and holds trained weights"), weights
 
 
 @torch.no_grad()
@@ -541,22 +540,22 @@ def check_reported_accuracy(obs: Observation, weights: dict | None, held_out) ->
     metrics_path = obs.out_dir / "metrics.json"
     if not metrics_path.exists():
         if obs.finished:
-            return Verdict(6, "FAIL", "the job finished but wrote no --metrics-json")
-        return Verdict(6, "BLOCKED", f"no --metrics-json: the job {obs.ended()} before writing it")
+            return verdict(6, "FAIL", "the job finished but wrote no --metrics-json")
+        return verdict(6, "BLOCKED", f"no --metrics-json: the job {obs.ended()} before writing it")
     reported = json.loads(metrics_path.read_text()).get("eval_accuracy")
     if not isinstance(reported, (int, float)):
-        return Verdict(6, "FAIL", "--metrics-json has no numeric eval_accuracy")
+        return verdict(6, "FAIL", "--metrics-json has no numeric eval_accuracy")
     return accuracy_verdict(6, reported, obs, weights, held_out)
 
 
 def accuracy_verdict(number: int, reported: float, obs: Observation, weights: dict | None, held_out, name: str = "eval_accuracy") -> Verdict:
     """Is reported the saved weights' accuracy on the whole held-out set? If not, is it one rank's slice's?"""
     if weights is None:
-        return Verdict(number, "BLOCKED", "no usable weights at --save to recompute the accuracy from")
+        return verdict(number, "BLOCKED", "no usable weights at --save to recompute the accuracy from")
     images, labels = held_out.tensors
     correct, total = count_correct(weights, images, labels), len(labels)
     if abs(reported - correct / total) < 0.5 / total:
-        return Verdict(number, "PASS", f"the reported {name} {reported:.4f} is the saved model's on all {total} held-out images ({correct}/{total})")
+        return verdict(number, "PASS", f"the reported {name} {reported:.4f} is the saved model's on all {total} held-out images ({correct}/{total})")
     whole = f"on all {total} held-out images it scores {correct / total:.4f} ({correct}/{total})"
     for rank in obs.ranks:
         seen = sorted(set(obs.batches(rank, "held_out", obs.passes(rank, "held_out") - 1)))
@@ -564,12 +563,12 @@ def accuracy_verdict(number: int, reported: float, obs: Observation, weights: di
             shard = torch.tensor(seen)
             shard_correct = count_correct(weights, images[shard], labels[shard])
             if abs(reported - shard_correct / len(seen)) < 0.5 / len(seen):
-                return Verdict(
+                return verdict(
                     number, "FAIL",
                     f"the reported {name} {reported:.4f} is the saved model's score on the {len(seen)} held-out "
                     f"images rank {rank} evaluated ({shard_correct}/{len(seen)}); {whole}",
                 )  # fmt: skip
-    return Verdict(number, "FAIL", f"the reported {name} is {reported:.4f}, but {whole}")
+    return verdict(number, "FAIL", f"the reported {name} is {reported:.4f}, but {whole}")
 
 
 # --- check 5: collectives ----------------------------------------------------------------------------------
@@ -600,7 +599,7 @@ def check_collectives(obs: Observation) -> Verdict:
         other = next((e for e in unmatched if e["rank"] != first["rank"] and e["progress"] == first["progress"] and e["key"] != first["key"]), None)
         mismatch = f"rank {first['rank']} called {where(first)} while rank {other['rank']} called {other['what']}" if other else describe_unmatched(first)
         epochs = ", ".join(str(epoch) for epoch in sorted({max(e["epoch"], 0) for e in unmatched}))
-        return Verdict(
+        return verdict(
             5, "FAIL",
             f"{mismatch} (calls went unmatched in epoch {epochs}; unobserved, the ranks would wait there until "
             f"--timeout-s and the job would die)",
@@ -610,15 +609,15 @@ def check_collectives(obs: Observation) -> Verdict:
         waited = " while ".join(f"rank {e['rank']} waited in {where(e)}" for e in errors)
         # The rank that timed out first says why; its peer may then only see the closed connection.
         reason = next((e["error"] for e in errors if "Timed out" in e["error"]), errors[0]["error"])
-        return Verdict(5, "FAIL", f"{waited}, until gloo gave up: {reason}")
+        return verdict(5, "FAIL", f"{waited}, until gloo gave up: {reason}")
     if obs.run.timed_out:
         stuck = [(rank, state["inside"]) for rank, state in obs.final_states().items() if state and state["inside"]]
         inside = "; ".join(f"rank {rank} was waiting in {where(call)}" for rank, call in stuck) or "no rank was inside a collective called from Python"
-        return Verdict(5, "FAIL", f"the job hung and was killed after {obs.limit_s:g} s: {inside}")
+        return verdict(5, "FAIL", f"the job hung and was killed after {obs.limit_s:g} s: {inside}")
     if not obs.finished:
-        return Verdict(5, "BLOCKED", f"the job {obs.ended()} before every collective could be observed")
+        return verdict(5, "BLOCKED", f"the job {obs.ended()} before every collective could be observed")
     calls = sum(1 for e in obs.events.get(0, []) if e["kind"] == "collective")
-    return Verdict(5, "PASS", f"every rank made the same {calls} collective calls, in the same order, and the job finished")
+    return verdict(5, "PASS", f"every rank made the same {calls} collective calls, in the same order, and the job finished")
 
 
 def check(script: Path, out_dir: Path, rescue: bool = True, job_timeout_s: float | None = None) -> tuple[Observation, list[Verdict]]:
@@ -642,13 +641,6 @@ def judge(obs: Observation) -> list[Verdict]:
         check_reported_accuracy(obs, weights, splits.test),
         scale_verdict,
     ]
-
-
-def summary(verdicts: list[Verdict]) -> tuple[str, int]:
-    """The result line, and the exit status: 0 only when every check passed."""
-    counts = {status: sum(v.status == status for v in verdicts) for status in ("PASS", "FAIL", "BLOCKED")}
-    line = f"result: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['BLOCKED']} blocked of {len(verdicts)} checks"
-    return line, 0 if counts["PASS"] == len(verdicts) else 1
 
 
 def main(argv=None) -> int:
@@ -676,8 +668,8 @@ def main(argv=None) -> int:
     if args.show_output:
         print(f"--- the script's stdout\n{obs.run.stdout}--- its stderr\n{obs.run.stderr}--- end of the script's output")
     print(f"the job {obs.ended()}")
-    for verdict in verdicts:
-        print(verdict.line())
+    for decided in verdicts:
+        print(decided.line(**LINE_FORMAT))
     result, status = summary(verdicts)
     print(result)
     return status
