@@ -1,4 +1,4 @@
-"""Lab 3 conversion checker: run your DDP version of labs/train_realistic.py on 2 CPU ranks and judge it by behaviour.
+"""Lab 3 conversion checker: run your DDP version of labs/train_realistic.py on 3 CPU ranks and judge it by behaviour.
 
     cp labs/train_realistic.py labs/my_ddp.py     # then turn labs/my_ddp.py into a DDP script
     python labs/lab3_convert_check.py             # checks labs/my_ddp.py (about half a minute)
@@ -17,32 +17,38 @@ records which samples each rank read, every micro-batch the DataLoader delivered
 augmentation, also from worker processes), the gradients before and after every backward(), which
 DDP forwards synchronised their backward (no_sync or not), every clip_grad_norm_ call, the weights,
 gradients and learning rate at every optimizer step, every collective called from Python, every
-torch.save and torch.load, and the BatchNorm buffers each held-out pass starts with. In ONE launch
-it runs SCRIPT twice, in the same two processes: straight through 2 epochs, then resumed from a copy
+torch.save and torch.load, and the BatchNorm buffers each held-out pass ends with. In ONE launch
+it runs SCRIPT twice, in the same three processes: straight through 2 epochs, then resumed from a copy
 of the checkpoint the first run wrote after epoch 1 (--resume), for 1 more epoch. The job runs as
-two one-process nodes on this machine: two torchrun agents (--nnodes=2 --nproc_per_node=1) that meet
-at a c10d rendezvous on 127.0.0.1, as two machines would; LOCAL_RANK is then 0 on both ranks while
-RANK is 0 and 1, so a script that uses LOCAL_RANK where it means RANK shows it.
+three one-process nodes on this machine: three torchrun agents (--nnodes=3 --nproc_per_node=1) that
+meet at a c10d rendezvous on 127.0.0.1, as three machines would; LOCAL_RANK is then 0 on every rank
+while RANK is 0, 1 and 2, so a script that uses LOCAL_RANK where it means RANK shows it. Three ranks,
+because 3 divides neither the 1438 training samples (a DistributedSampler pads them to 1440, 480 per
+rank) nor the 359 held-out ones (slices of 120, 120 and 119): a number written for 2 ranks (a
+schedule's length, a held-out slice, a loss divided by 2) gives wrong numbers here, and the padding
+shows. Every check reads the world size from the observed run and compares all its ranks.
 
 The reference is one process on the global batch, computed here: the starting script's DigitsNet at
 each rank's recorded weights, on the micro-batches each rank received, each normalised by
 BatchNorm on its own as the one-process script normalises each of its micro-batches (one process
-that accumulates the 2 ranks' 3 micro-batches of a step as 6 micro-batches), with the starting
+that accumulates the 3 ranks' 3 micro-batches of a step as 9 micro-batches), with the starting
 script's learning-rate schedule for that global batch. Thirteen checks, one line each:
 
-   1 data-split      in every epoch the ranks read disjoint shares that cover the training set
+   1 data-split      in every epoch the ranks read shares that cover the training set, each sample once
+                     but for the sampler's padding
    2 epoch-shuffle   epoch 1 reads the samples in a new order
-   3 equal-replicas  both ranks hold the same weights before every optimizer step
+   3 equal-replicas  every rank holds the same weights before every optimizer step
    4 global-gradient every backward adds its micro-batch's mean-loss gradient / k to a .grad that
                      started empty, the all-reducing one averaged over ranks; after 3 steps the weights
                      are one process's on the same global batches (AdamW, schedule and clipping included)
    5 checkpoint      rank 0 alone writes --save (directly, or atomically: a temporary file renamed onto it);
                      a bare DigitsNet loads its "model" (no "module.")
-   6 job-metrics     the last printed accuracy is the saved model's on the whole held-out set
+   6 job-metrics     the last printed accuracy is the saved model's on the whole held-out set, each
+                     image scored once
    7 clean-exit      every rank makes the same collective calls, calls destroy_process_group() after its
                      DDP model is gone, and the job exits with status 0
    8 clipping        one clip_grad_norm_ per optimizer step, after the all-reducing backward: the
-                     averaged gradient's norm, equal on both ranks, scaled as torch scales it
+                     averaged gradient's norm, equal on every rank, scaled as torch scales it
    9 lr-schedule     every rank's learning rate equals one process's at every optimizer step (its peak
                      --lr, or --lr x N or x sqrt(N): lecture 1's scaling rules)
   10 accumulation    every optimizer step runs k micro-batches and all-reduces once: only the last
@@ -72,18 +78,12 @@ What it cannot see:
   wrong device are never executed here. Read those
   lines against lecture 1's diff of labs/ddp_minimal.py, then run the script on a GPU machine.
   map_location is checked as present only: the CPU cannot show which device it names.
-- check 6 barely sees two mistakes the course warns about, because on 2 ranks they change the
-  printed number by less than the tolerance of half an image in 359 (0.5/359 = 1.4e-3): a
-  DistributedSampler on the held-out set pads it to 360 with one repeated image, which moves the
-  accuracy by (359 - c)/(359 x 360), about 8e-5, when that image is classified correctly, and fails
-  only when it is not (2.7e-3); the mean of the two ranks' accuracies instead of their summed counts
-  differs from the job's by |a0 - a1|/(2 x 359), below 1.4e-3 for any a0, a1, so it always passes.
-  Both are wrong all the same (more ranks or uneven slices make them visible).
-- a world size hard-coded as 2. The job runs on 2 ranks only, so a schedule length, a held-out
-  slice or a loss factor written for 2 (ceil(len(train) / (B x k x 2)), range(rank, n, 2)) gives
-  the right numbers here, and the 1438 training samples split evenly, so DistributedSampler's
-  padding never happens. Run your script on 3 processes too (torchrun --nproc_per_node=3) and
-  compare its printed accuracy and schedule with what this checker accepted.
+- check 6 barely sees one mistake the course warns about: the mean of the ranks' accuracies instead
+  of their summed counts. With slices of 120, 120 and 119 images it differs from the job's accuracy
+  by |a0 + a1 - 2 a2| / (3 x 359), which exceeds the tolerance of half an image in 359 (0.5/359 =
+  1.4e-3) only when |a0 + a1 - 2 a2| > 1.5, so it nearly always passes. It is wrong all the same. (A DistributedSampler on the held-out set, which pads it to 360 with one repeated
+  image, moves the accuracy by less than that too, but check 6 sees the repeat: it counts which
+  images the ranks scored, and FAILs an image scored twice.)
 - gloo's abort at exit itself: the observer destroys a group the script left open and ends its
   processes with os._exit, so check 7 judges the causes instead: it records each
   destroy_process_group() and whether the rank's DDP model was still alive then, and whether the
@@ -94,18 +94,19 @@ What it cannot see:
 
 from __future__ import annotations
 
+import collections
 import inspect
 import math
 import re
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from ddp_course.checking.verdict import Verdict, summary
 from ddp_course.cli import CourseArgumentParser, positive_float
 from ddp_course.launch import REPO_ROOT, import_script
 
@@ -115,11 +116,15 @@ lab4 = import_script(Path(__file__).resolve().parent / "lab4_check.py", name="la
 START = import_script(Path(__file__).resolve().parent / "train_realistic.py", name="train_realistic_for_lab3")
 
 DEFAULT_SCRIPT = "labs/my_ddp.py"
-WORLD_SIZE = lab4.WORLD_SIZE  # 2 gloo ranks
-NODES = 2  # as two one-process nodes: LOCAL_RANK 0 on both ranks (see the docstring)
+# The job: 3 gloo ranks as three one-process nodes (LOCAL_RANK is 0 on every rank, see the docstring).
+# 3 divides neither the 1438 training samples (DistributedSampler pads them to 1440) nor the 359
+# held-out ones (120, 120 and 119 for each rank's slice), so a number written for 2 ranks shows.
+# Every check reads the world size from the observed run (Observation.world_size), never from here.
+NODES = 3
+WORLD_SIZE = NODES  # one process per node
 EPOCHS, BATCH_SIZE, ACCUMULATION, PEAK_LR, WARMUP_STEPS, CLIP_NORM, LOG_EVERY = 2, 48, 3, 4e-3, 3, 0.5, 2
-# 719 samples per rank: 15 micro-batches of 48 (the last 47), so 5 optimizer steps per epoch of 3
-# micro-batches each, 10 in the run; the clip norm is below the early gradients' norm, so it clips.
+# 480 samples per rank: 10 micro-batches of 48, so 4 optimizer steps per epoch (of 3, 3, 3 and 1
+# micro-batches), 8 in the run; the clip norm is below the early gradients' norm, so it clips.
 SCRIPT_ARGS = [
     "--epochs", str(EPOCHS), "--seed", "0", "--batch-size", str(BATCH_SIZE), "--accumulation", str(ACCUMULATION),
     "--lr", str(PEAK_LR), "--weight-decay", "0.05", "--warmup-steps", str(WARMUP_STEPS), "--clip-norm", str(CLIP_NORM),
@@ -140,7 +145,7 @@ CHECKS = {
     3: ("equal-replicas", "DDP broadcasts rank 0's weights when it wraps the model (unless init_sync=False), then gives every rank the same averaged gradient; replicas that start apart never meet again (lecture 1 section 5.4)"),
     4: ("global-gradient", "DDP's backward averages the gradients over ranks: back-propagate each micro-batch's mean loss / k as the one-process script does, no extra factor for the world size, and clear the gradients after each optimizer step (lecture 1 sections 2-3; lab 4)"),
     5: ("checkpoint", "save once, on rank 0 (ranks writing the same file race), the bare model's weights: model.module.state_dict() (or the model you wrapped), then a barrier (lab 3 section 4; lecture 6 section 4)"),
-    6: ("job-metrics", "each rank scores only its part of the held-out set: all-reduce the counts (correct, seen) before printing the accuracy (lecture 3 section 5)"),
+    6: ("job-metrics", "each rank scores only its part of the held-out set, each image once (a DistributedSampler pads it with repeats, a slice written for one world size overlaps at another): all-reduce the counts (correct, seen) before printing the accuracy (lecture 3 section 5)"),
     7: ("clean-exit", "every rank must make the same collective calls in the same order (a collective inside `if rank == 0:` waits forever), and end with destroy_process_group(). A gloo job aborts at exit (terminate called without an active exception) when its process group outlives destroy_process_group(), for two causes: a DDP model still alive (return from the function that built it, or del it, then gc.collect() before destroy_process_group()), which this check observes, and torch.distributed.nn.functional first imported after init_process_group (import it before), which it cannot (the checker makes that import itself). labs/ddp_minimal.py marks both workarounds (lecture 1 section 4; lab 4)"),
     8: ("clipping", "clip once per optimizer step, after the backward that all-reduces (the last micro-batch's): then clip_grad_norm_ sees the averaged gradient, and every rank computes the same norm; clipping earlier clips each rank's own partial gradient with its own norm (lecture 4 section 4.1)"),
     9: ("lr-schedule", "step the scheduler once per optimizer step, and count the schedule's steps from what this rank runs: len(train_loader) / accumulation per epoch, which the DistributedSampler already divides by the world size; the peak may be --lr, or --lr scaled by N or sqrt(N), the schedule's shape stays one process's (lecture 1 section 8)"),
@@ -155,21 +160,23 @@ ACCURACY = re.compile(r"accuracy.*?(\d+\.\d+|\d+(?=\s*%))(\s*%)?", re.IGNORECASE
 LOSS_LINE = re.compile(r"\bstep (\d+)\b.*?\bloss (\d+\.\d+)")
 
 
-@dataclass
-class Verdict:
-    number: int
-    status: str  # PASS, FAIL or BLOCKED
-    evidence: str
-
-    def line(self) -> str:
-        name, hint = CHECKS[self.number]
-        text = f"{self.number:>2} {name:<15} {self.status:<7} {self.evidence}"
-        return text + (f" -- hint: {hint}" if self.status == "FAIL" else "")
+def verdict(number: int, status: str, evidence: str) -> Verdict:
+    """Check `number`'s verdict (ddp_course.checking's one type), with its name and hint from CHECKS."""
+    name, hint = CHECKS[number]
+    return Verdict(name, status, evidence, hint=hint, number=number)
 
 
-def renumbered(number: int, verdict) -> Verdict:
-    """A verdict of lab 4's checker, under this checker's number."""
-    return Verdict(number, verdict.status, verdict.evidence)
+def renumbered(number: int, lab4_verdict: Verdict) -> Verdict:
+    """A verdict of lab 4's checker, under this checker's number (and name and hint)."""
+    return verdict(number, lab4_verdict.status, lab4_verdict.evidence)
+
+
+def named(ranks) -> str:
+    """'rank 0', 'ranks 0 and 1', 'ranks 0, 1 and 2': the ranks, in words."""
+    ranks = [str(rank) for rank in ranks]
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(ranks[:-1])} and {ranks[-1]}"
 
 
 # --- the job: two runs in one launch --------------------------------------------------------------------
@@ -199,7 +206,7 @@ def runs(script: Path, out_dir: Path) -> list[dict]:
 
 def observe(script: Path, out_dir: Path, timeout_s: float = JOB_TIMEOUT_S) -> tuple:
     """(straight, resumed) Observations of one launch of the two runs, killed after timeout_s."""
-    observed = lab4.observe_runs(runs(script, out_dir), out_dir, timeout_s, nodes=NODES)
+    observed = lab4.observe_runs(runs(script, out_dir), out_dir, timeout_s, nodes=NODES, world_size=WORLD_SIZE)
     return observed["straight"], observed["resumed"]
 
 
@@ -208,7 +215,7 @@ def recorded_steps(obs) -> list[dict[int, dict]]:
     """[{rank: what the observer saved at that optimizer step}], for the steps every rank recorded."""
     steps = []
     for step in range(1, RECORDED_STEPS + 1):
-        records = {rank: obs.step_record(rank, step) for rank in range(WORLD_SIZE)}
+        records = {rank: obs.step_record(rank, step) for rank in obs.ranks}
         if any(record is None for record in records.values()):
             break
         steps.append(records)
@@ -264,7 +271,7 @@ class Reference:
     def step_gradient(self, step: int) -> torch.Tensor:
         """One process's gradient for a step: the mean over ranks of each rank's micro-batch gradients / k."""
         per_rank = []
-        for rank in range(WORLD_SIZE):
+        for rank in self.steps[step]:
             count = len(self.steps[step][rank]["micro_batches"])
             per_rank.append(sum(self.micro_batch(step, rank, j)[0] for j in range(count)) / ACCUMULATION)
         return torch.stack(per_rank).mean(dim=0)
@@ -286,93 +293,103 @@ def micro_batches_ok(steps) -> str | None:
 
 # --- checks 1 and 2: which samples each rank read -------------------------------------------------------
 def check_data_split(obs, train_size: int) -> Verdict:
-    """In each of the run's epochs, disjoint shares that cover the training set."""
+    """In each of the run's epochs, shares that cover the training set, each sample read once but for
+    DistributedSampler's padding: it repeats (-train_size) % world_size samples, so that every rank
+    reads as many (1438 samples on 3 ranks: 2 repeats, 480 each)."""
+    padding = -train_size % obs.world_size
     for epoch in range(EPOCHS):
-        orders = {rank: obs.batches(rank, "train", epoch) for rank in range(WORLD_SIZE)}
+        orders = {rank: obs.batches(rank, "train", epoch) for rank in obs.ranks}
         silent = [rank for rank, order in orders.items() if not order]
         if silent:
-            return Verdict(1, "BLOCKED", f"rank {silent[0]} read no training batch in epoch {epoch}: the job {obs.ended()}")
-        shared = set(orders[0]) & set(orders[1])
-        if len(shared) >= WORLD_SIZE:  # DistributedSampler pads the last round with fewer than world_size repeats
-            first = next(i for i in orders[0] if i in shared)
-            return Verdict(1, "FAIL", f"ranks 0 and 1 both trained on sample {first} in epoch {epoch} ({len(shared)} of the {train_size} training samples were read by both)")
-        unread = set(range(train_size)) - set().union(*orders.values())
+            return verdict(1, "BLOCKED", f"rank {silent[0]} read no training batch in epoch {epoch}: the job {obs.ended()}")
+        for rank in obs.ranks:
+            for other in range(rank + 1, obs.world_size):
+                shared = set(orders[rank]) & set(orders[other])
+                if len(shared) > padding:
+                    first = next(i for i in orders[rank] if i in shared)
+                    return verdict(1, "FAIL", f"ranks {rank} and {other} both trained on sample {first} in epoch {epoch} ({len(shared)} of the {train_size} training samples were read by both)")
+        read = [index for order in orders.values() for index in order]
+        repeats = len(read) - len(set(read))
+        if repeats > padding:
+            return verdict(1, "FAIL", f"{repeats} training samples were read more than once in epoch {epoch}; padding to a multiple of {obs.world_size} ranks repeats {padding}")
+        unread = set(range(train_size)) - set(read)
         if unread:
-            return Verdict(1, "FAIL", f"{len(unread)} training samples were read by no rank in epoch {epoch} (sample {min(unread)}, ...)")
-    sizes = ", ".join(str(len(obs.batches(rank, "train", 0))) for rank in range(WORLD_SIZE))
-    return Verdict(1, "PASS", f"in each of the {EPOCHS} epochs the ranks read disjoint shares ({sizes} samples) covering all {train_size}")
+            return verdict(1, "FAIL", f"{len(unread)} training samples were read by no rank in epoch {epoch} (sample {min(unread)}, ...)")
+    sizes = ", ".join(str(len(obs.batches(rank, "train", 0))) for rank in obs.ranks)
+    padded = f", {padding} of them twice: the sampler's padding to {train_size + padding}" if padding else ", each once"
+    return verdict(1, "PASS", f"in each of the {EPOCHS} epochs the ranks read shares ({sizes} samples) covering all {train_size}{padded}")
 
 
 # --- check 3: equal replicas ----------------------------------------------------------------------------
 def check_equal_replicas(obs, steps) -> Verdict:
     if not steps:
-        return Verdict(3, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
+        return verdict(3, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
     for number, records in enumerate(steps, start=1):
-        difference = lab4.relative(records[0]["params"], records[1]["params"])
-        if difference <= REPLICA_TOLERANCE:
-            continue
-        if number == 1:
-            return Verdict(3, "FAIL", f"before the first optimizer step rank 1's weights differ from rank 0's (relative difference {difference:.2f}): the replicas started apart")
-        applied = lab4.relative(steps[number - 2][0]["grads"], steps[number - 2][1]["grads"])
-        if applied > REPLICA_TOLERANCE:  # different gradients, different weights: the gradient's checks say why
-            return Verdict(3, "BLOCKED", f"the replicas started equal, but the ranks applied different gradients in step {number - 1} (relative difference {applied:.1e}): checks 4 and 8 judge those")
-        return Verdict(3, "FAIL", f"the replicas started equal and applied the same gradient in step {number - 1}, but before step {number} rank 1's weights differ from rank 0's (relative difference {difference:.1e}): the optimizers differ")
-    made = [sum(event["kind"] == "step" for event in obs.events.get(rank, [])) for rank in range(WORLD_SIZE)]
+        for rank in records:  # every rank against rank 0
+            difference = lab4.relative(records[0]["params"], records[rank]["params"])
+            if difference <= REPLICA_TOLERANCE:
+                continue
+            if number == 1:
+                return verdict(3, "FAIL", f"before the first optimizer step rank {rank}'s weights differ from rank 0's (relative difference {difference:.2f}): the replicas started apart")
+            applied = lab4.relative(steps[number - 2][0]["grads"], steps[number - 2][rank]["grads"])
+            if applied > REPLICA_TOLERANCE:  # different gradients, different weights: the gradient's checks say why
+                return verdict(3, "BLOCKED", f"the replicas started equal, but ranks 0 and {rank} applied different gradients in step {number - 1} (relative difference {applied:.1e}): checks 4 and 8 judge those")
+            return verdict(3, "FAIL", f"the replicas started equal and applied the same gradient in step {number - 1}, but before step {number} rank {rank}'s weights differ from rank 0's (relative difference {difference:.1e}): the optimizers differ")
+    made = [sum(event["kind"] == "step" for event in obs.events.get(rank, [])) for rank in obs.ranks]
     if len(set(made)) > 1:
-        return Verdict(3, "FAIL", f"the ranks made different numbers of optimizer steps (rank 0 {made[0]}, rank 1 {made[1]})")
-    return Verdict(3, "PASS", f"both ranks held the same weights before each of their {len(steps)} optimizer steps")
-
-
-def replicas_equal(steps) -> bool:
-    return bool(steps) and all(lab4.relative(records[0]["params"], records[1]["params"]) <= REPLICA_TOLERANCE for records in steps)
+        counts = ", ".join(f"rank {rank} {count}" for rank, count in zip(obs.ranks, made))
+        return verdict(3, "FAIL", f"the ranks made different numbers of optimizer steps ({counts})")
+    return verdict(3, "PASS", f"all {obs.world_size} ranks held the same weights before each of their {len(steps)} optimizer steps")
 
 
 # --- check 4: each backward's gradient, and the one-process replay -------------------------------------
 def check_global_gradient(obs, steps, reference, others_pass: dict[int, bool]) -> Verdict:
     if not steps:
-        return Verdict(4, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
+        return verdict(4, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
     if not reference.shapes_ok:
-        return Verdict(4, "BLOCKED", "the optimizer's parameters are not those of labs/train_realistic.py's DigitsNet")
+        return verdict(4, "BLOCKED", "the optimizer's parameters are not those of labs/train_realistic.py's DigitsNet")
     if problem := micro_batches_ok(steps[:REFERENCE_STEPS]):
-        return Verdict(4, "BLOCKED", problem)
+        return verdict(4, "BLOCKED", problem)
     observed_parts, expected_parts = [], []
     for step, records in enumerate(steps[:REFERENCE_STEPS]):
         for rank, record in records.items():
             first = record["micro_batches"][0]["grad_before"]
             if first is not None and float(first.abs().max()) > 0:
-                return Verdict(4, "FAIL", f"step {step + 1}'s first backward on rank {rank} added to a gradient left over from step {step}: gradients pile up from step to step")
+                return verdict(4, "FAIL", f"step {step + 1}'s first backward on rank {rank} added to a gradient left over from step {step}: gradients pile up from step to step")
+        ranks = list(records)
         for j, micro_batch in enumerate(records[0]["micro_batches"]):
-            expected = [reference.micro_batch(step, rank, j)[0] / ACCUMULATION for rank in range(WORLD_SIZE)]
-            befores = [records[rank]["micro_batches"][j]["grad_before"] for rank in range(WORLD_SIZE)]
+            expected = [reference.micro_batch(step, rank, j)[0] / ACCUMULATION for rank in ranks]
+            befores = [records[rank]["micro_batches"][j]["grad_before"] for rank in ranks]
             befores = [torch.zeros_like(expected[0]) if b is None else b for b in befores]
-            afters = [records[rank]["micro_batches"][j]["grad_after"] for rank in range(WORLD_SIZE)]
+            afters = [records[rank]["micro_batches"][j]["grad_after"] for rank in ranks]
             if micro_batch["synced"]:  # DDP averaged: after = mean over ranks of (before + this micro-batch's gradient)
-                if lab4.relative(afters[0], afters[1]) > TOLERANCE:
-                    return Verdict(4, "FAIL", f"after the all-reducing backward of step {step + 1} the ranks hold different gradients: they were not averaged")
+                apart = next((rank for rank, after in zip(ranks, afters) if lab4.relative(afters[0], after) > TOLERANCE), None)
+                if apart is not None:
+                    return verdict(4, "FAIL", f"after the all-reducing backward of step {step + 1} ranks 0 and {apart} hold different gradients: they were not averaged")
                 observed_parts.append(afters[0] - torch.stack(befores).mean(dim=0))
                 expected_parts.append(torch.stack(expected).mean(dim=0))
             else:  # a local backward: after = before + this micro-batch's gradient, on each rank
-                for rank in range(WORLD_SIZE):
+                for rank in ranks:
                     observed_parts.append(afters[rank] - befores[rank])
                     expected_parts.append(expected[rank])
     observed, expected = torch.cat(observed_parts), torch.cat(expected_parts)
     scale, residual = lab4.best_multiple(observed, expected)
-    global_batch = f"{WORLD_SIZE} ranks x {ACCUMULATION} micro-batches of {BATCH_SIZE}"
+    global_batch = f"{obs.world_size} ranks x {ACCUMULATION} micro-batches of {BATCH_SIZE}"
     if residual > TOLERANCE:
-        return Verdict(4, "FAIL", f"the backward passes of the first {REFERENCE_STEPS} steps do not add the mean-loss gradients of their micro-batches: relative difference {lab4.relative(observed, expected):.2f}")
+        return verdict(4, "FAIL", f"the backward passes of the first {REFERENCE_STEPS} steps do not add the mean-loss gradients of their micro-batches: relative difference {lab4.relative(observed, expected):.2f}")
     if abs(scale - 1) > TOLERANCE:
-        return Verdict(4, "FAIL", f"each backward adds {scale:.2f} x its micro-batch's mean-loss gradient / {ACCUMULATION}: the step's gradient is {scale:.2f} x the global batch's ({global_batch})")
+        return verdict(4, "FAIL", f"each backward adds {scale:.2f} x its micro-batch's mean-loss gradient / {ACCUMULATION}: the step's gradient is {scale:.2f} x the global batch's ({global_batch})")
     gradients = f"every backward of the first {REFERENCE_STEPS} steps added its micro-batch's mean-loss gradient / {ACCUMULATION} to an empty .grad, the all-reducing one averaged over ranks: the global batch's gradient ({global_batch})"
     blocking = [number for number in (3, 8, 9) if not others_pass.get(number)]
     if blocking:
-        return Verdict(4, "PASS", f"{gradients}; not replayed in one process, as check {', '.join(map(str, blocking))} failed")
+        return verdict(4, "PASS", f"{gradients}; not replayed in one process, as check {', '.join(map(str, blocking))} failed")
     replay = replay_in_one_process(steps[: REFERENCE_STEPS + 1], reference)
     if isinstance(replay, str):
-        return Verdict(4, "PASS", f"{gradients}; {replay}")
+        return verdict(4, "PASS", f"{gradients}; {replay}")
     difference, step = replay
     if difference > REPLAY_TOLERANCE:
-        return Verdict(4, "FAIL", f"{gradients}, but after {step} steps rank 0's weights are not those of one process with the same optimizer, schedule and clipping on the same global batches (relative difference {difference:.2f})")
-    return Verdict(4, "PASS", f"{gradients}; after {REFERENCE_STEPS} steps the weights equal one process's on the same global batches (AdamW, schedule and clipping replayed)")
+        return verdict(4, "FAIL", f"{gradients}, but after {step} steps rank 0's weights are not those of one process with the same optimizer, schedule and clipping on the same global batches (relative difference {difference:.2f})")
+    return verdict(4, "PASS", f"{gradients}; after {REFERENCE_STEPS} steps the weights equal one process's on the same global batches (AdamW, schedule and clipping replayed)")
 
 
 def replay_in_one_process(steps, reference) -> tuple[float, int] | str:
@@ -396,7 +413,7 @@ def replay_in_one_process(steps, reference) -> tuple[float, int] | str:
     replay = Reference([{rank: dict(record) for rank, record in records.items()} for records in steps])
     worst = (0.0, 0)
     for number, records in enumerate(replay.steps[:-1], start=1):
-        for rank in range(WORLD_SIZE):
+        for rank in records:
             records[rank]["params"] = parameters_to_vector(model.parameters()).detach().clone()
         replay.cache = {}
         gradient = replay.step_gradient(number - 1)
@@ -435,24 +452,24 @@ def load_checkpoint(path: Path):
 def check_checkpoint(obs, steps) -> tuple[Verdict, dict | None]:
     """Who wrote --save, and whether a bare DigitsNet loads it; plus the weights it holds (keys without 'module.')."""
     path = (obs.out_dir / "model.pt").resolve()
-    writers = [rank for rank in range(WORLD_SIZE) if any(e["kind"] == "save" and e["path"] == str(path) for e in obs.events.get(rank, []))]
+    writers = [rank for rank in obs.ranks if any(e["kind"] == "save" and e["path"] == str(path) for e in obs.events.get(rank, []))]
     if not path.exists():
         if obs.finished:
-            return Verdict(5, "FAIL", "the job finished but wrote no file at --save"), None
-        return Verdict(5, "BLOCKED", f"no file at --save: the job {obs.ended()} before writing it"), None
+            return verdict(5, "FAIL", "the job finished but wrote no file at --save"), None
+        return verdict(5, "BLOCKED", f"no file at --save: the job {obs.ended()} before writing it"), None
     state, problem = load_checkpoint(path)
     if problem:
-        return Verdict(5, "FAIL", problem), None
+        return verdict(5, "FAIL", problem), None
     model, weights, evidence = lab4.load_into_bare_model(state, reference_model)
     if evidence:
-        return Verdict(5, "FAIL", evidence), weights
+        return verdict(5, "FAIL", evidence), weights
     if len(writers) > 1:
-        return Verdict(5, "FAIL", f"ranks {' and '.join(map(str, writers))} each called torch.save on {path.name}: one file, {len(writers)} writers"), weights
+        return verdict(5, "FAIL", f"{named(writers)} each called torch.save on {path.name}: one file, {len(writers)} writers"), weights
     if steps and torch.equal(parameters_to_vector(model.parameters()), steps[0][0]["params"]):
-        return Verdict(5, "FAIL", "it holds the initial weights: training never reached the saved file"), weights
+        return verdict(5, "FAIL", "it holds the initial weights: training never reached the saved file"), weights
     who = "rank 0 alone wrote it" if writers == [0] else f"rank {writers[0]} wrote it" if writers else "no rank called torch.save on it"
     status = "PASS" if writers == [0] else "FAIL"
-    return Verdict(5, status, f"{who}; its 'model' loads into a bare DigitsNet (strict) and holds trained weights"), weights
+    return verdict(5, status, f"{who}; its 'model' loads into a bare DigitsNet (strict) and holds trained weights"), weights
 
 
 # --- check 6: the printed accuracy ----------------------------------------------------------------------
@@ -474,29 +491,56 @@ def count_correct(weights: dict, images: torch.Tensor, labels: torch.Tensor) -> 
     return int((model.eval()(images).argmax(dim=1) == labels).sum())
 
 
+def last_held_out_reads(obs) -> dict[int, list[int]]:
+    """{rank: the held-out images it read in its last pass over them}, for the ranks that read any."""
+    reads = {rank: obs.batches(rank, "held_out", obs.passes(rank, "held_out") - 1) for rank in obs.ranks}
+    return {rank: images for rank, images in reads.items() if images}
+
+
+def scored_more_than_once(reads: dict[int, list[int]], total: int) -> str | None:
+    """Which held-out images the last pass read more than once, in words, or None: DistributedSampler pads
+    the held-out set to a multiple of the world size with repeats, and a slice written for another world
+    size overlaps; either way the job's accuracy, summed over the ranks' slices, counts those images
+    again. Not when one rank scored every image: it can print its own count (rank 0 alone scoring the
+    set, or, wastefully, every rank scoring all of it), and the printed accuracy then says which."""
+    if any(len(set(images)) == total for images in reads.values()):
+        return None
+    counts = collections.Counter(index for images in reads.values() for index in images)
+    repeated = sorted(index for index, count in counts.items() if count > 1)
+    if not repeated:
+        return None
+    first = repeated[0]
+    readers = named(rank for rank, images in reads.items() if first in images)
+    return f"in the last held-out pass {len(repeated)} of the {total} held-out images were scored more than once (image {first}: {readers}), so they count again in the accuracy"
+
+
 def check_job_metrics(obs, weights, held_out, blocked_by: str | None) -> Verdict:
     reported = printed_accuracy(obs.run.stdout)
     if reported is None:
         if obs.finished:
-            return Verdict(6, "FAIL", "the job printed no line with the word accuracy and a number (as in: held-out accuracy 0.9721)")
-        return Verdict(6, "BLOCKED", f"no accuracy was printed: the job {obs.ended()} before")
+            return verdict(6, "FAIL", "the job printed no line with the word accuracy and a number (as in: held-out accuracy 0.9721)")
+        return verdict(6, "BLOCKED", f"no accuracy was printed: the job {obs.ended()} before")
     if blocked_by:
-        return Verdict(6, "BLOCKED", blocked_by)
-    if weights is None:
-        return Verdict(6, "BLOCKED", "no usable weights at --save to recompute the accuracy from")
+        return verdict(6, "BLOCKED", blocked_by)
     images, labels = held_out.tensors
+    reads = last_held_out_reads(obs)
+    if twice := scored_more_than_once(reads, len(labels)):
+        return verdict(6, "FAIL", twice)
+    if weights is None:
+        return verdict(6, "BLOCKED", "no usable weights at --save to recompute the accuracy from")
     correct, total = count_correct(weights, images, labels), len(labels)
     if abs(reported - correct / total) < 0.5 / total:
-        return Verdict(6, "PASS", f"the last printed accuracy {reported:.4f} is the saved model's on all {total} held-out images ({correct}/{total})")
+        shares = f"{', '.join(str(len(images)) for images in reads.values())} by {named(reads)}" if reads else "by no DataLoader the observer saw"
+        return verdict(6, "PASS", f"the last printed accuracy {reported:.4f} is the saved model's on all {total} held-out images ({correct}/{total}), each scored once ({shares})")
     whole = f"on all {total} held-out images it scores {correct / total:.4f} ({correct}/{total})"
-    for rank in range(WORLD_SIZE):
+    for rank in obs.ranks:
         seen = sorted(set(obs.batches(rank, "held_out", obs.passes(rank, "held_out") - 1)))
         if seen and len(seen) < total:
             shard = torch.tensor(seen)
             shard_correct = count_correct(weights, images[shard], labels[shard])
             if abs(reported - shard_correct / len(seen)) < 0.5 / len(seen):
-                return Verdict(6, "FAIL", f"the last printed accuracy {reported:.4f} is the saved model's score on the {len(seen)} held-out images rank {rank} evaluated ({shard_correct}/{len(seen)}); {whole}")
-    return Verdict(6, "FAIL", f"the last printed accuracy is {reported:.4f}, but {whole}")
+                return verdict(6, "FAIL", f"the last printed accuracy {reported:.4f} is the saved model's score on the {len(seen)} held-out images rank {rank} evaluated ({shard_correct}/{len(seen)}); {whole}")
+    return verdict(6, "FAIL", f"the last printed accuracy is {reported:.4f}, but {whole}")
 
 
 # --- check 7: a clean exit ------------------------------------------------------------------------------
@@ -504,12 +548,12 @@ def check_clean_exit(obs) -> Verdict:
     collectives = lab4.check_collectives(obs)
     if collectives.status == "FAIL":
         # Lab 4's scripts take --timeout-s; a script here sets its process group's timeout itself.
-        return Verdict(7, "FAIL", collectives.evidence.replace("until --timeout-s", "until their process group's timeout"))
+        return verdict(7, "FAIL", collectives.evidence.replace("until --timeout-s", "until their process group's timeout"))
     if not obs.finished:
-        return Verdict(7, "FAIL", f"the job {obs.ended()}")
+        return verdict(7, "FAIL", f"the job {obs.ended()}")
     if problem := teardown_problem(obs):
-        return Verdict(7, "FAIL", problem)
-    return Verdict(7, "PASS", f"{collectives.evidence} with exit status 0; every rank destroyed its process group after its DDP model was gone")
+        return verdict(7, "FAIL", problem)
+    return verdict(7, "PASS", f"{collectives.evidence} with exit status 0; every rank destroyed its process group after its DDP model was gone")
 
 
 def teardown_problem(obs) -> str | None:
@@ -518,7 +562,7 @@ def teardown_problem(obs) -> str | None:
     The observer records each destroy_process_group() and whether the rank's DDP model was still alive
     then, and whether the group was still open when the script ended (it then destroys the group itself,
     and its processes end with os._exit: the abort would not happen here, so it is judged from these)."""
-    for rank in range(WORLD_SIZE):
+    for rank in obs.ranks:
         events = obs.events.get(rank, [])
         alive = next((e for e in events if e["kind"] == "destroy" and e["default_group"] and e["ddp_model_alive"]), None)
         if alive:
@@ -533,43 +577,44 @@ def teardown_problem(obs) -> str | None:
 # --- check 8: clipping ----------------------------------------------------------------------------------
 def check_clipping(obs, steps, reference, gradient_ok: bool) -> Verdict:
     if not steps:
-        return Verdict(8, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
+        return verdict(8, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
     clipped, first = 0, None
     for number, records in enumerate(steps, start=1):
         norms = []
         for rank, record in records.items():
             clips, backwards = record["clips"], len(record["micro_batches"])
             if not clips:
-                return Verdict(8, "FAIL", f"rank {rank} made no clip_grad_norm_ call in step {number} (clip with torch.nn.utils.clip_grad_norm_, as labs/train_realistic.py does)")
+                return verdict(8, "FAIL", f"rank {rank} made no clip_grad_norm_ call in step {number} (clip with torch.nn.utils.clip_grad_norm_, as labs/train_realistic.py does)")
             if len(clips) > 1 or clips[0]["after_backwards"] != backwards:
-                return Verdict(8, "FAIL", f"rank {rank} called clip_grad_norm_ {len(clips)} times in step {number}, the first after backward {clips[0]['after_backwards']} of {backwards}: it clipped a gradient not yet averaged over ranks, with its own norm")
+                return verdict(8, "FAIL", f"rank {rank} called clip_grad_norm_ {len(clips)} times in step {number}, the first after backward {clips[0]['after_backwards']} of {backwards}: it clipped a gradient not yet averaged over ranks, with its own norm")
             clip = clips[0]
             if abs(clip["max_norm"] - CLIP_NORM) > 1e-12:
-                return Verdict(8, "FAIL", f"rank {rank} clipped to {clip['max_norm']:g}, not to --clip-norm {CLIP_NORM:g}")
+                return verdict(8, "FAIL", f"rank {rank} clipped to {clip['max_norm']:g}, not to --clip-norm {CLIP_NORM:g}")
             synced = record["micro_batches"][-1]["grad_after"] if record["micro_batches"] else None
             if clip["before"] is not None and synced is not None and lab4.relative(clip["before"], synced) > TOLERANCE:
-                return Verdict(8, "FAIL", f"rank {rank}'s clip_grad_norm_ in step {number} was given other gradients than the step's last backward left (relative difference {lab4.relative(clip['before'], synced):.2f})")
+                return verdict(8, "FAIL", f"rank {rank}'s clip_grad_norm_ in step {number} was given other gradients than the step's last backward left (relative difference {lab4.relative(clip['before'], synced):.2f})")
             coefficient = min(1.0, clip["max_norm"] / (clip["norm"] + 1e-6))
             if clip["before"] is not None and (lab4.relative(clip["after"], clip["before"] * coefficient) > TOLERANCE or lab4.relative(record["grads"], clip["after"]) > TOLERANCE):
-                return Verdict(8, "FAIL", f"rank {rank}'s gradients in step {number} are not the clipped ones at the optimizer step")
+                return verdict(8, "FAIL", f"rank {rank}'s gradients in step {number} are not the clipped ones at the optimizer step")
             norms.append(clip["norm"])
-        if abs(norms[0] - norms[1]) > TOLERANCE * max(norms):
-            return Verdict(8, "FAIL", f"in step {number} rank 0 clipped with norm {norms[0]:.4f} and rank 1 with {norms[1]:.4f}: each clipped its own gradient")
+        apart = next((rank for rank, norm in enumerate(norms) if abs(norms[0] - norm) > TOLERANCE * max(norms)), None)
+        if apart is not None:
+            return verdict(8, "FAIL", f"in step {number} rank 0 clipped with norm {norms[0]:.4f} and rank {apart} with {norms[apart]:.4f}: each clipped its own gradient")
         clipped += norms[0] > CLIP_NORM
         first = first if first is not None else norms[0]
     evidence = (
-        f"each of the {len(steps)} optimizer steps clipped once, after its all-reducing backward, with the same norm on both ranks "
+        f"each of the {len(steps)} optimizer steps clipped once, after its all-reducing backward, with the same norm on every rank "
         f"({clipped} of {len(steps)} above --clip-norm {CLIP_NORM:g}; step 1: {first:.4f}"
     )  # fmt: skip
     if gradient_ok and reference.shapes_ok and not micro_batches_ok(steps[:1]):
         evidence += f", one process's global gradient: {float(reference.step_gradient(0).norm()):.4f}"
-    return Verdict(8, "PASS", evidence + ")")
+    return verdict(8, "PASS", evidence + ")")
 
 
 # --- check 9: the learning-rate schedule ----------------------------------------------------------------
-def one_process_schedule(train_size: int, steps: int) -> list[float]:
+def one_process_schedule(train_size: int, steps: int, world_size: int) -> list[float]:
     """The starting script's learning rates for one process on the global batch (per step: world x batch x k samples)."""
-    steps_per_epoch = math.ceil(train_size / (WORLD_SIZE * BATCH_SIZE * ACCUMULATION))
+    steps_per_epoch = math.ceil(train_size / (world_size * BATCH_SIZE * ACCUMULATION))
     total = EPOCHS * steps_per_epoch
     return [START.lr_at(step, total, WARMUP_STEPS, PEAK_LR) for step in range(steps)]
 
@@ -579,69 +624,81 @@ def one_process_schedule(train_size: int, steps: int) -> list[float]:
 LR_SCALINGS = {"--lr": lambda n: 1.0, "--lr x N (linear scaling)": lambda n: float(n), "--lr x sqrt(N) (square-root scaling)": math.sqrt}
 
 
-def lr_scaling(steps, expected: list[float]) -> tuple[float, str]:
-    """(factor, its name): the scaling of --lr that rank 0's first learning rate shows; (1, '--lr') when none fits."""
-    first = steps[0][0]["optimizer"]["groups"][0]["settings"].get("lr")
+def lr_scaling(steps, expected: list[float], world_size: int) -> tuple[float, str]:
+    """(factor, its name): the scaling of --lr under which rank 0's learning rates follow one process's
+    schedule (expected, unscaled) for the most steps, at least the first two; (1, '--lr') when none does.
+    One step alone can match by chance: a scheduler stepped with every micro-batch reaches 3 x the first
+    warm-up rate at the first optimizer step, which is the linear rule's at 3 ranks."""
+    lrs = [records[0]["optimizer"]["groups"][0]["settings"].get("lr") for records in steps]
+    best = (1.0, "--lr", 0)
     for name, rule in LR_SCALINGS.items():
-        factor = rule(WORLD_SIZE)
-        if isinstance(first, float) and abs(first - factor * expected[0]) <= 1e-9 * factor * PEAK_LR:
-            return factor, name
-    return 1.0, "--lr"
+        factor = rule(world_size)
+        followed = 0
+        for lr, wanted in zip(lrs, expected):
+            if not (isinstance(lr, float) and abs(lr - factor * wanted) <= 1e-9 * factor * PEAK_LR):
+                break
+            followed += 1
+        if followed >= min(2, len(lrs)) and followed > best[2]:
+            best = (factor, name, followed)
+    return best[0], best[1]
 
 
 def check_lr_schedule(obs, steps, train_size: int) -> Verdict:
     if not steps:
-        return Verdict(9, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
-    factor, peak = lr_scaling(steps, one_process_schedule(train_size, 1))
-    expected = [factor * lr for lr in one_process_schedule(train_size, len(steps))]
+        return verdict(9, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
+    one_process = one_process_schedule(train_size, len(steps), obs.world_size)
+    factor, peak = lr_scaling(steps, one_process, obs.world_size)
+    expected = [factor * lr for lr in one_process]
     for number, records in enumerate(steps, start=1):
         for rank, record in records.items():
             lr = record["optimizer"]["groups"][0]["settings"].get("lr")
             if not isinstance(lr, float) or abs(lr - expected[number - 1]) > 1e-9 * factor * PEAK_LR:
                 shown = ", ".join(f"{r[rank]['optimizer']['groups'][0]['settings'].get('lr', float('nan')):.2e}" for r in steps[:6])
                 wanted = ", ".join(f"{value:.2e}" for value in expected[:6])
-                return Verdict(9, "FAIL", f"rank {rank}'s learning rate at optimizer step {number} is {lr:.3e}, one process's is {expected[number - 1]:.3e} (steps 1-6: {shown}; one process: {wanted})")
-    return Verdict(9, "PASS", f"at each of the {len(steps)} optimizer steps every rank's learning rate is one process's schedule on the global batch (warm-up over {WARMUP_STEPS} steps to the peak {peak} = {factor * PEAK_LR:.3g}, then a cosine)")
+                return verdict(9, "FAIL", f"rank {rank}'s learning rate at optimizer step {number} is {lr:.3e}, one process's is {expected[number - 1]:.3e} (steps 1-6: {shown}; one process: {wanted})")
+    return verdict(9, "PASS", f"at each of the {len(steps)} optimizer steps every rank's learning rate is one process's schedule on the global batch (warm-up over {WARMUP_STEPS} steps to the peak {peak} = {factor * PEAK_LR:.3g}, then a cosine)")
 
 
 # --- check 10: accumulation -----------------------------------------------------------------------------
 def check_accumulation(obs, steps) -> Verdict:
     if not steps:
-        return Verdict(10, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
+        return verdict(10, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}")
     micro_batches = 0
     for number, records in enumerate(steps, start=1):
         for rank, record in records.items():
             count, forwards = len(record["micro_batches"]), record["forwards"]
             micro_batches += count if rank == 0 else 0
             if count != ACCUMULATION and not (number % (len(steps) // EPOCHS) == 0 and 0 < count < ACCUMULATION):
-                return Verdict(10, "FAIL", f"optimizer step {number} ran {count} micro-batch(es) on rank {rank}, not --accumulation {ACCUMULATION}")
+                return verdict(10, "FAIL", f"optimizer step {number} ran {count} micro-batch(es) on rank {rank}, not --accumulation {ACCUMULATION}")
             if forwards["synced"] + forwards["unsynced"] == 0:
-                return Verdict(10, "BLOCKED", "no forward of a DistributedDataParallel model was seen: no all-reduce to count")
+                return verdict(10, "BLOCKED", "no forward of a DistributedDataParallel model was seen: no all-reduce to count")
             if forwards["synced"] != 1:
-                return Verdict(10, "FAIL", f"in optimizer step {number} rank {rank} ran {forwards['synced']} backward passes that all-reduce (of {count} micro-batches): the gradient is correct (check 4), but it costs {forwards['synced']} x the communication of one all-reduce per optimizer step")
+                return verdict(10, "FAIL", f"in optimizer step {number} rank {rank} ran {forwards['synced']} backward passes that all-reduce (of {count} micro-batches): the gradient is correct (check 4), but it costs {forwards['synced']} x the communication of one all-reduce per optimizer step")
             if not record["micro_batches"][-1]["synced"]:
-                return Verdict(10, "FAIL", f"in optimizer step {number} the all-reducing backward on rank {rank} was not the last micro-batch's: the later ones' gradients stayed local")
-    return Verdict(10, "PASS", f"every optimizer step ran {ACCUMULATION} micro-batches on each rank and only the last one's backward all-reduced: {len(steps)} all-reduces for {len(steps)} optimizer steps ({micro_batches} micro-batches per rank)")
+                return verdict(10, "FAIL", f"in optimizer step {number} the all-reducing backward on rank {rank} was not the last micro-batch's: the later ones' gradients stayed local")
+    short = sorted({len(record["micro_batches"]) for records in steps for record in records.values()} - {ACCUMULATION})
+    remainder = f" (an epoch's last: {', '.join(map(str, short))})" if short else ""
+    return verdict(10, "PASS", f"every optimizer step ran {ACCUMULATION} micro-batches on each rank{remainder} and only the last one's backward all-reduced: {len(steps)} all-reduces for {len(steps)} optimizer steps ({micro_batches} micro-batches per rank)")
 
 
 # --- check 11: the printed loss -------------------------------------------------------------------------
 def check_printed_loss(obs, steps, reference) -> Verdict:
-    lines = {rank: [(int(m.group(1)), m.group(2)) for m in map(LOSS_LINE.search, stdout_of(obs, rank).splitlines()) if m] for rank in range(WORLD_SIZE)}
+    lines = {rank: [(int(m.group(1)), m.group(2)) for m in map(LOSS_LINE.search, stdout_of(obs, rank).splitlines()) if m] for rank in obs.ranks}
     speakers = [rank for rank, found in lines.items() if found]
     if not speakers:
         if obs.finished:
-            return Verdict(11, "FAIL", "no rank printed a line with 'step N' and 'loss X' (as in: step 10: train loss 0.4321)")
-        return Verdict(11, "BLOCKED", f"no loss line was printed: the job {obs.ended()}")
+            return verdict(11, "FAIL", "no rank printed a line with 'step N' and 'loss X' (as in: step 10: train loss 0.4321)")
+        return verdict(11, "BLOCKED", f"no loss line was printed: the job {obs.ended()}")
     if len(speakers) > 1:
-        return Verdict(11, "FAIL", f"ranks {' and '.join(map(str, speakers))} each printed {len(lines[speakers[1]])} loss lines: one line per job, from one rank")
+        return verdict(11, "FAIL", f"{named(speakers)} each printed {len(lines[speakers[1]])} loss lines: one line per job, from one rank")
     if not reference.shapes_ok or micro_batches_ok(steps):
-        return Verdict(11, "BLOCKED", "the micro-batches cannot be recomputed (see check 4)")
+        return verdict(11, "BLOCKED", "the micro-batches cannot be recomputed (see check 4)")
     speaker, previous = speakers[0], 0
     for step, text in lines[speaker]:
         if not 0 < step <= len(steps) or step <= previous:
-            return Verdict(11, "FAIL", f"rank {speaker} printed a loss for step {step}, which is not a step the job made after the previous line's")
+            return verdict(11, "FAIL", f"rank {speaker} printed a loss for step {step}, which is not a step the job made after the previous line's")
         losses = {rank: torch.cat([reference.losses(s, rank, j) for s in range(previous, step) for j in range(len(steps[s][rank]["micro_batches"]))])
-                  for rank in range(WORLD_SIZE)}  # fmt: skip
+                  for rank in obs.ranks}  # fmt: skip
         job = float(torch.cat(list(losses.values())).double().mean())
         printed = float(text)
         decimals = len(text.split(".")[1])
@@ -649,10 +706,10 @@ def check_printed_loss(obs, steps, reference) -> Verdict:
         if abs(printed - job) > tolerance:
             own = float(losses[speaker].double().mean())
             if abs(printed - own) <= tolerance:
-                return Verdict(11, "FAIL", f"the loss printed at step {step}, {text}, is rank {speaker}'s own samples' mean; over every rank's samples since the last line it is {job:.{decimals}f}")
-            return Verdict(11, "FAIL", f"the loss printed at step {step} is {text}; over every rank's samples since the last line it is {job:.{decimals}f}")
+                return verdict(11, "FAIL", f"the loss printed at step {step}, {text}, is rank {speaker}'s own samples' mean; over every rank's samples since the last line it is {job:.{decimals}f}")
+            return verdict(11, "FAIL", f"the loss printed at step {step} is {text}; over every rank's samples since the last line it is {job:.{decimals}f}")
         previous = step
-    return Verdict(11, "PASS", f"rank {speaker} alone printed the loss, {len(lines[speaker])} times, each the mean over every rank's samples since the line before (within half a unit of its last digit)")
+    return verdict(11, "PASS", f"rank {speaker} alone printed the loss, {len(lines[speaker])} times, each the mean over every rank's samples since the line before (within half a unit of its last digit)")
 
 
 # --- check 12: resume -----------------------------------------------------------------------------------
@@ -680,50 +737,50 @@ def check_resume(straight, resumed, replicas_ok: bool, straight_steps=None) -> V
     (weights, learning rate, optimizer state), however the state got there (each rank's torch.load, or rank
     0's load and a broadcast), and the resumed run ends on the straight run's weights."""
     if not straight.finished:
-        return Verdict(12, "BLOCKED", f"the first run {straight.ended()}, so no second run resumed from it")
+        return verdict(12, "BLOCKED", f"the first run {straight.ended()}, so no second run resumed from it")
     if not first_checkpoint(straight.out_dir).exists():
-        return Verdict(12, "BLOCKED", "rank 0 of the first run wrote no checkpoint to resume from")
+        return verdict(12, "BLOCKED", "rank 0 of the first run wrote no checkpoint to resume from")
     saved = str((straight.out_dir / "model.pt").resolve())
     first_save = next((e for e in straight.events.get(0, []) if e["kind"] == "save" and e["path"] == saved), None)
     if first_save is not None and first_save.get("epoch", 0) != RESUME_AFTER_EPOCH - 1:
-        return Verdict(12, "FAIL", f"rank 0 first wrote --save during epoch {first_save['epoch'] + 1}, not at the end of epoch {RESUME_AFTER_EPOCH}: a checkpoint every epoch is what a resume starts from")
+        return verdict(12, "FAIL", f"rank 0 first wrote --save during epoch {first_save['epoch'] + 1}, not at the end of epoch {RESUME_AFTER_EPOCH}: a checkpoint every epoch is what a resume starts from")
     if not replicas_ok:
-        return Verdict(12, "BLOCKED", "the first run's replicas differ (check 3): a resume from rank 0's file cannot follow them")
+        return verdict(12, "BLOCKED", "the first run's replicas differ (check 3): a resume from rank 0's file cannot follow them")
     if not resumed.finished:
-        return Verdict(12, "FAIL", f"the run with --resume {resumed.ended()}")
+        return verdict(12, "FAIL", f"the run with --resume {resumed.ended()}")
     target = str((resumed.out_dir / "model.pt").resolve())
     loaded = []
-    for rank in range(WORLD_SIZE):
+    for rank in resumed.ranks:
         loads = [e for e in resumed.events.get(rank, []) if e["kind"] == "load" and e["path"] == target]
         if loads and loads[0]["map_location"] is None:
-            return Verdict(12, "FAIL", f"rank {rank} loaded the checkpoint without map_location: on GPUs every rank would put the tensors saved from cuda:0 on cuda:0 (the CPU cannot show it; the checker reads the argument)")
+            return verdict(12, "FAIL", f"rank {rank} loaded the checkpoint without map_location: on GPUs every rank would put the tensors saved from cuda:0 on cuda:0 (the CPU cannot show it; the checker reads the argument)")
         loaded += [rank] if loads else []
     straight_steps = recorded_steps(straight) if straight_steps is None else straight_steps
     resumed_steps, before = recorded_steps(resumed), steps_before_resume(straight)
     if not resumed_steps:
-        return Verdict(12, "FAIL", "the run with --resume made no optimizer step on every rank")
+        return verdict(12, "FAIL", "the run with --resume made no optimizer step on every rank")
     if len(straight_steps) <= before:
-        return Verdict(12, "BLOCKED", f"the straight run recorded no step after epoch {RESUME_AFTER_EPOCH} to compare the resumed run with")
+        return verdict(12, "BLOCKED", f"the straight run recorded no step after epoch {RESUME_AFTER_EPOCH} to compare the resumed run with")
     # Step by step: a scheduler that was not restored still starts at the saved learning rate (the
     # optimizer's state holds it), and shows only at the resumed run's second step.
     for number, (records, straight_records) in enumerate(zip(resumed_steps, straight_steps[before:]), start=before + 1):
-        for rank in range(WORLD_SIZE):
+        for rank in records:
             differs = resumed_state_differs(straight_records[rank], records[rank])
             if differs:
                 how = "loaded the checkpoint" if rank in loaded else "never loaded the checkpoint (and was not sent its contents)"
-                return Verdict(12, "FAIL", f"rank {rank} {how}, but at optimizer step {number} the resumed run had {differs}: every rank must go on from rank 0's file, model, optimizer and scheduler")
+                return verdict(12, "FAIL", f"rank {rank} {how}, but at optimizer step {number} the resumed run had {differs}: every rank must go on from rank 0's file, model, optimizer and scheduler")
     straight_state, problem = load_checkpoint(straight.out_dir / "model.pt")
     resumed_state, problem_resumed = load_checkpoint(resumed.out_dir / "model.pt")
     if problem or problem_resumed:
-        return Verdict(12, "BLOCKED", "a final checkpoint is unusable (check 5)")
+        return verdict(12, "BLOCKED", "a final checkpoint is unusable (check 5)")
     difference = max(lab4.relative(straight_state[name].double(), resumed_state[name].double()) for name in straight_state if straight_state[name].is_floating_point())
     if difference > REPLICA_TOLERANCE:
-        return Verdict(12, "FAIL", f"resumed after epoch {RESUME_AFTER_EPOCH}, the run ends on other weights than the run that went straight through (relative difference {difference:.1e})")
-    received = [rank for rank in range(WORLD_SIZE) if rank not in loaded]
-    how = f"rank{'s' if len(loaded) > 1 else ''} {' and '.join(map(str, loaded))} loaded rank 0's checkpoint of epoch {RESUME_AFTER_EPOCH} (map_location given: checked as present only, the CPU cannot show which device it names)"
+        return verdict(12, "FAIL", f"resumed after epoch {RESUME_AFTER_EPOCH}, the run ends on other weights than the run that went straight through (relative difference {difference:.1e})")
+    received = [rank for rank in resumed.ranks if rank not in loaded]
+    how = f"{named(loaded)} loaded rank 0's checkpoint of epoch {RESUME_AFTER_EPOCH} (map_location given: checked as present only, the CPU cannot show which device it names)"
     if received:
-        how += f", rank{'s' if len(received) > 1 else ''} {' and '.join(map(str, received))} received its contents"
-    return Verdict(12, "PASS", f"{how}; at each optimizer step from step {before + 1} on, every rank had the straight run's weights, learning rate and optimizer state, and the run ended on the straight run's weights (relative difference {difference:.0e})")
+        how += f", {named(received)} received its contents"
+    return verdict(12, "PASS", f"{how}; at each optimizer step from step {before + 1} on, every rank had the straight run's weights, learning rate and optimizer state, and the run ended on the straight run's weights (relative difference {difference:.0e})")
 
 
 # --- check 13: BatchNorm's buffers ----------------------------------------------------------------------
@@ -743,14 +800,14 @@ def check_batchnorm(obs, saved_weights: dict | None = None) -> Verdict:
     that scored (one rank, or all of them) held the same BatchNorm statistics when its pass ended, and in
     the last pass they are the ones in the checkpoint at --save."""
     by_pass: dict[int, dict[int, dict]] = {}
-    for rank in range(WORLD_SIZE):
+    for rank in obs.ranks:
         for event in obs.events.get(rank, []):
             if event["kind"] == "buffers":
                 by_pass.setdefault(event["epoch"], {})[rank] = event["buffers"]
     if not by_pass:
         if not obs.finished:
-            return Verdict(13, "BLOCKED", f"no held-out pass of a DDP model was seen: the job {obs.ended()}")
-        return Verdict(13, "BLOCKED", "no pass over the held-out digits was seen while a DistributedDataParallel model existed")
+            return verdict(13, "BLOCKED", f"no held-out pass of a DDP model was seen: the job {obs.ended()}")
+        return verdict(13, "BLOCKED", "no pass over the held-out digits was seen while a DistributedDataParallel model existed")
     for number, scored in sorted(by_pass.items()):
         first = min(scored)
         for rank, buffers in sorted(scored.items()):
@@ -758,18 +815,18 @@ def check_batchnorm(obs, saved_weights: dict | None = None) -> Verdict:
             if different:
                 name, off = different
                 saves = ", which are the ones rank 0 saves" if first == 0 else ""
-                return Verdict(13, "FAIL", f"in held-out pass {number} rank {rank} scored with other BatchNorm statistics than rank {first}{saves} ({name}: relative difference {off:.1e}): the ranks scored different models")
+                return verdict(13, "FAIL", f"in held-out pass {number} rank {rank} scored with other BatchNorm statistics than rank {first}{saves} ({name}: relative difference {off:.1e}): the ranks scored different models")
     last = by_pass[max(by_pass)]
-    scorers = " and ".join(map(str, sorted(last)))
+    scorers = named(sorted(last))
     if saved_weights is not None:
         saved = {name: value.reshape(-1).double().tolist() for name, value in saved_weights.items() if "running" in name}
         different = buffer_difference(last[min(last)], saved)
         if different:
             name, off = different
-            return Verdict(13, "FAIL", f"the last held-out pass (rank {scorers}) scored with other BatchNorm statistics than the checkpoint at --save holds ({name}: relative difference {off:.1e}): the printed accuracy is not the saved model's")
+            return verdict(13, "FAIL", f"the last held-out pass ({scorers}) scored with other BatchNorm statistics than the checkpoint at --save holds ({name}: relative difference {off:.1e}): the printed accuracy is not the saved model's")
     names = [name for name in last[min(last)] if "running" in name]
-    who = f"rank {scorers} scored" if len(last) == 1 else f"ranks {scorers} all scored"
-    return Verdict(13, "PASS", f"in each of the {len(by_pass)} held-out passes {who} with the same BatchNorm statistics ({len(names)} running buffers), in the last the ones rank 0 saves")
+    who = f"{scorers} scored" if len(last) == 1 else f"{scorers} all scored"
+    return verdict(13, "PASS", f"in each of the {len(by_pass)} held-out passes {who} with the same BatchNorm statistics ({len(names)} running buffers), in the last the ones rank 0 saves")
 
 
 # --- all checks -----------------------------------------------------------------------------------------
@@ -812,7 +869,7 @@ def judge_runs(straight, resumed) -> list[Verdict]:
     verdicts, steps = judge_each_check(straight, resumed), recorded_steps(straight)
     if steps and not trained_ddp(steps):
         return [
-            Verdict(4, "FAIL", NOT_CONVERTED) if v.number == 4 else Verdict(v.number, "BLOCKED", NOT_CONVERTED_BLOCKED) if v.status == "PASS" else v
+            verdict(4, "FAIL", NOT_CONVERTED) if v.number == 4 else verdict(v.number, "BLOCKED", NOT_CONVERTED_BLOCKED) if v.status == "PASS" else v
             for v in verdicts
         ]
     return verdicts
@@ -853,13 +910,6 @@ def judge_each_check(straight, resumed) -> list[Verdict]:
     ]
 
 
-def summary(verdicts: list[Verdict]) -> tuple[str, int]:
-    """The result line, and the exit status: 0 only when every check passed."""
-    counts = {status: sum(v.status == status for v in verdicts) for status in ("PASS", "FAIL", "BLOCKED")}
-    line = f"result: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['BLOCKED']} blocked of {len(verdicts)} checks"
-    return line, 0 if counts["PASS"] == len(verdicts) else 1
-
-
 def main(argv=None) -> int:
     parser = CourseArgumentParser(
         prog="lab3_convert_check.py",
@@ -883,15 +933,15 @@ def main(argv=None) -> int:
         parser.error(f"no such script: {args.script}{first}")
 
     shown = " ".join([*SCRIPT_ARGS, "--save", "<temporary folder>/model.pt"])
-    print(f"lab 3 conversion checker: {args.script} on {WORLD_SIZE} gloo ranks (two one-process nodes), {shown}; then again with --resume", flush=True)
+    print(f"lab 3 conversion checker: {args.script} on {WORLD_SIZE} gloo ranks ({NODES} one-process nodes), {shown}; then again with --resume", flush=True)
     with tempfile.TemporaryDirectory(prefix="lab3_check_") as out_dir:
         (straight, resumed), verdicts = check(script.resolve(), Path(out_dir), args.job_timeout_s)
         if args.show_output:
             for name, obs in (("first run", straight), ("resumed run", resumed)):
                 print(f"--- the script's stdout, {name}\n{obs.run.stdout}--- its stderr\n{obs.run.stderr}--- end of the script's output")
     print(f"the first run {straight.ended()}; the resumed run {resumed.ended()}")
-    for verdict in verdicts:
-        print(verdict.line())
+    for decided in verdicts:
+        print(decided.line())
     result, status = summary(verdicts)
     print(result)
     return status

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from ddp_course.checking.verdict import Verdict, summary
 from ddp_course.cli import CourseArgumentParser, positive_float
 from ddp_course.data import DatasetSplits, load_digits
 from ddp_course.launch import LAUNCH_LOG_VARIABLE, REPO_ROOT, RunResult, append_to_launch_log, free_port, run_torchrun
@@ -65,16 +66,14 @@ CHECKS = {
 }  # fmt: skip
 
 
-@dataclass
-class Verdict:
-    number: int
-    status: str  # PASS, FAIL or BLOCKED
-    evidence: str
+# How lab 4's lines look: one-digit numbers, names padded to its longest (reported-accuracy).
+LINE_FORMAT = {"name_width": 18, "number_width": 1}
 
-    def line(self) -> str:
-        name, hint = CHECKS[self.number]
-        text = f"{self.number} {name:<18} {self.status:<7} {self.evidence}"
-        return text + (f" -- hint: {hint}" if self.status == "FAIL" else "")
+
+def verdict(number: int, status: str, evidence: str) -> Verdict:
+    """Check `number`'s verdict (ddp_course.checking's one type), with its name and hint from CHECKS."""
+    name, hint = CHECKS[number]
+    return Verdict(name, status, evidence, hint=hint, number=number)
 
 
 @dataclass
@@ -85,6 +84,11 @@ class Observation:
     out_dir: Path
     events: dict[int, list[dict]] = field(default_factory=dict)  # rank -> its events, in order
     timeout_s: float | None = None  # the job's time limit; None: JOB_TIMEOUT_S
+    world_size: int = WORLD_SIZE  # how many ranks the job ran: the launch's, never assumed by a check
+
+    @property
+    def ranks(self) -> range:
+        return range(self.world_size)
 
     @property
     def finished(self) -> bool:
@@ -116,7 +120,7 @@ class Observation:
     def final_states(self) -> dict[int, dict | None]:
         """Each rank's last published state (what it was doing when the job ended)."""
         states = {}
-        for rank in range(WORLD_SIZE):
+        for rank in self.ranks:
             path = self.out_dir / f"state-r{rank}.json"
             states[rank] = json.loads(path.read_text()) if path.exists() else None
         return states
@@ -153,19 +157,21 @@ def default_script_args(out_dir: Path) -> list:
     return [*SCRIPT_ARGS, "--save", out_dir / "model.pt", "--metrics-json", out_dir / "metrics.json"]
 
 
-def run_job(script: Path, args, nodes: int, timeout_s: float, env: dict) -> RunResult:
-    """script under torchrun on WORLD_SIZE ranks: one node (--standalone), or `nodes` nodes on this host.
+def run_job(script: Path, args, nodes: int, timeout_s: float, env: dict, world_size: int = WORLD_SIZE) -> RunResult:
+    """script under torchrun on world_size ranks: one node (--standalone), or `nodes` nodes on this host.
 
-    Several nodes are several torchrun agents (--nnodes=nodes, WORLD_SIZE // nodes processes each)
+    Several nodes are several torchrun agents (--nnodes=nodes, world_size // nodes processes each)
     that meet at a c10d rendezvous on 127.0.0.1 at a free port, as the machines of a multi-node job
     do (ddp_course/cluster/multinode.py). On two one-process nodes LOCAL_RANK is 0 on both ranks while RANK is
     0 and 1: a script that uses LOCAL_RANK where it means RANK shows it. One RunResult for the job:
     the agents' outputs one after the other, the first non-zero exit status, timed out if any agent was.
     """
     if nodes == 1:
-        return run_torchrun(script, args, nproc=WORLD_SIZE, timeout_s=timeout_s, env=env)
+        return run_torchrun(script, args, nproc=world_size, timeout_s=timeout_s, env=env)
+    if world_size % nodes:
+        raise ValueError(f"{world_size} ranks do not split evenly over {nodes} nodes")
     port = free_port()
-    command = agent_command(script, args, nnodes=str(nodes), nproc=WORLD_SIZE // nodes, endpoint=f"127.0.0.1:{port}", rdzv_id=f"observed{port}")
+    command = agent_command(script, args, nnodes=str(nodes), nproc=world_size // nodes, endpoint=f"127.0.0.1:{port}", rdzv_id=f"observed{port}")
     # The first agent hosts the rendezvous store; the other starts once it listens.
     agents = run_agents([command] * nodes, timeout_s, env=env, stagger_host=("127.0.0.1", port))
     timed_out = any(agent.timed_out for agent in agents)
@@ -194,15 +200,21 @@ def observe(script: Path, out_dir: Path, rescue: bool = True, script_args=None, 
     limit_s = JOB_TIMEOUT_S if timeout_s is None else timeout_s
     run = run_job(OBSERVER, [out_dir, script, *script_args], nodes, limit_s, env)
     observation = Observation(run, out_dir, timeout_s=limit_s)
-    for rank in range(WORLD_SIZE):
-        path = out_dir / f"events-r{rank}.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        observation.events[rank] = [event for event in map(parse_event, lines) if event is not None]
+    read_events(observation)
     return observation
 
 
-def observe_runs(runs: list[dict], folder: Path, timeout_s: float, nodes: int = 1, env=None) -> dict:
-    """{name: Observation} of several runs observed one after another in ONE launch (the observer's --runs).
+def read_events(observation: Observation) -> None:
+    """Each rank's events, from the files the observer wrote in the run's folder."""
+    for rank in observation.ranks:
+        path = observation.out_dir / f"events-r{rank}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        observation.events[rank] = [event for event in map(parse_event, lines) if event is not None]
+
+
+def observe_runs(runs: list[dict], folder: Path, timeout_s: float, nodes: int = 1, env=None, world_size: int = WORLD_SIZE) -> dict:
+    """{name: Observation} of several runs observed one after another in ONE launch (the observer's --runs),
+    on world_size ranks over `nodes` nodes (see run_job).
 
     runs: [{"name", "out_dir", "script", "args", "env" (the run's own LAB4_OBSERVE_* settings),
     "copy" (optional [[source, target]], done before the run)}]; each Observation is what observe()
@@ -212,13 +224,13 @@ def observe_runs(runs: list[dict], folder: Path, timeout_s: float, nodes: int = 
     runs_file.write_text(json.dumps([{**run, "out_dir": str(run["out_dir"]), "script": str(run["script"]), "args": [str(a) for a in run["args"]]}
                                      for run in runs], indent=1))  # fmt: skip
     env = {"CUDA_VISIBLE_DEVICES": "", "LAB4_OBSERVE_RESCUE": "1", "LAB4_OBSERVE_DIGITS": str(save_digits(folder / "digits.pt")), **(env or {})}
-    launch = run_job(OBSERVER, ["--runs", runs_file], nodes, timeout_s, env)
-    return {run["name"]: run_observation(launch, Path(run["out_dir"]), timeout_s) for run in runs}
+    launch = run_job(OBSERVER, ["--runs", runs_file], nodes, timeout_s, env, world_size)
+    return {run["name"]: run_observation(launch, Path(run["out_dir"]), timeout_s, world_size) for run in runs}
 
 
-def run_observation(launch: RunResult, out_dir: Path, timeout_s: float) -> Observation:
+def run_observation(launch: RunResult, out_dir: Path, timeout_s: float, world_size: int = WORLD_SIZE) -> Observation:
     """One run's Observation from a --runs launch: its own output and exit status, as if it had had a launch of its own."""
-    ranks = range(WORLD_SIZE)
+    ranks = range(world_size)
     statuses = [json.loads(path.read_text()) if (path := out_dir / f"status-r{rank}.json").exists() else None for rank in ranks]
     reached = all(statuses)
     skipped = next((s["skipped"] for s in statuses if s and s.get("skipped")), None)
@@ -238,11 +250,8 @@ def run_observation(launch: RunResult, out_dir: Path, timeout_s: float) -> Obser
         stderr=read("stderr") + why, wall_s=max(s["wall_s"] for s in statuses) if reached else launch.wall_s,
         timed_out=launch.timed_out and not reached,
     )  # fmt: skip
-    observation = Observation(run, out_dir, timeout_s=timeout_s)
-    for rank in ranks:
-        path = out_dir / f"events-r{rank}.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        observation.events[rank] = [event for event in map(parse_event, lines) if event is not None]
+    observation = Observation(run, out_dir, timeout_s=timeout_s, world_size=world_size)
+    read_events(observation)
     return observation
 
 
@@ -255,44 +264,44 @@ def parse_event(line: str) -> dict | None:
 
 # --- checks 1 and 4: which samples each rank read --------------------------------------------------------
 def check_data_split(obs: Observation, train_size: int) -> Verdict:
-    orders = {rank: obs.batches(rank, "train", 0) for rank in range(WORLD_SIZE)}
+    orders = {rank: obs.batches(rank, "train", 0) for rank in obs.ranks}
     silent = [rank for rank, order in orders.items() if not order]
     if silent:
-        return Verdict(1, "BLOCKED", f"rank {silent[0]} read no training batch: the job {obs.ended()}")
-    for rank in range(WORLD_SIZE):
-        for other in range(rank + 1, WORLD_SIZE):
+        return verdict(1, "BLOCKED", f"rank {silent[0]} read no training batch: the job {obs.ended()}")
+    for rank in obs.ranks:
+        for other in range(rank + 1, obs.world_size):
             shared = set(orders[rank]) & set(orders[other])
             # DistributedSampler pads the last round with fewer than world_size repeated samples.
-            if len(shared) >= WORLD_SIZE:
+            if len(shared) >= obs.world_size:
                 first = next(i for i in orders[rank] if i in shared)
-                return Verdict(
+                return verdict(
                     1, "FAIL",
                     f"ranks {rank} and {other} both trained on sample {first} in epoch 0 ({len(shared)} of the "
                     f"{train_size} training samples were read by both)",
                 )  # fmt: skip
-    epoch_complete = obs.finished or all(obs.passes(rank, "train") > 1 for rank in range(WORLD_SIZE))
+    epoch_complete = obs.finished or all(obs.passes(rank, "train") > 1 for rank in obs.ranks)
     if not epoch_complete:
-        return Verdict(1, "BLOCKED", f"epoch 0 never completed: the job {obs.ended()}")
+        return verdict(1, "BLOCKED", f"epoch 0 never completed: the job {obs.ended()}")
     unread = set(range(train_size)) - set().union(*orders.values())
     if unread:
-        return Verdict(1, "FAIL", f"{len(unread)} training samples were read by no rank in epoch 0 (sample {min(unread)}, ...)")
-    sizes = ", ".join(str(len(orders[rank])) for rank in range(WORLD_SIZE))
-    return Verdict(1, "PASS", f"in epoch 0 the ranks read disjoint shares ({sizes} samples) covering all {train_size}")
+        return verdict(1, "FAIL", f"{len(unread)} training samples were read by no rank in epoch 0 (sample {min(unread)}, ...)")
+    sizes = ", ".join(str(len(orders[rank])) for rank in obs.ranks)
+    return verdict(1, "PASS", f"in epoch 0 the ranks read disjoint shares ({sizes} samples) covering all {train_size}")
 
 
 def check_epoch_shuffle(obs: Observation) -> Verdict:
     repeated = []
-    for rank in range(WORLD_SIZE):
+    for rank in obs.ranks:
         first, second = obs.batches(rank, "train", 0), obs.batches(rank, "train", 1)
         if not second:
-            return Verdict(4, "BLOCKED", f"rank {rank} never started a second epoch: the job {obs.ended()}")
+            return verdict(4, "BLOCKED", f"rank {rank} never started a second epoch: the job {obs.ended()}")
         if second == first[: len(second)]:
             repeated.append((rank, second))
-    if len(repeated) == WORLD_SIZE:
+    if len(repeated) == obs.world_size:
         rank, order = repeated[0]
         start = ", ".join(map(str, order[:4]))
-        return Verdict(4, "FAIL", f"rank {rank} read the same {len(order)} samples in the same order in epochs 0 and 1 ({start}, ...)")
-    return Verdict(4, "PASS", "every rank read its samples in a new order in epoch 1")
+        return verdict(4, "FAIL", f"rank {rank} read the same {len(order)} samples in the same order in epochs 0 and 1 ({start}, ...)")
+    return verdict(4, "PASS", "every rank read its samples in a new order in epoch 1")
 
 
 # --- checks 2 and 7: gradients against a recomputed reference ----------------------------------------------
@@ -417,7 +426,7 @@ def gradient_steps(obs: Observation, train, count: int = 3, own_params: bool = F
     expected_shapes = [list(p.shape) for p in DigitsCNN().parameters()]
     steps = []
     for step in range(1, count + 1):
-        records = {rank: obs.step_record(rank, step) for rank in range(WORLD_SIZE)}
+        records = {rank: obs.step_record(rank, step) for rank in obs.ranks}
         if any(record is None for record in records.values()):
             break
         if records[0]["shapes"] != expected_shapes:
@@ -432,18 +441,18 @@ def gradient_steps(obs: Observation, train, count: int = 3, own_params: bool = F
 def check_gradient_scale(steps, problem: str | None, obs: Observation) -> tuple[Verdict, float | None]:
     """Verdict on step 1's gradient, and its scale against the reference (None: not a multiple of it)."""
     if problem:
-        return Verdict(7, "BLOCKED", problem), None
+        return verdict(7, "BLOCKED", problem), None
     if not steps:
-        return Verdict(7, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}"), None
+        return verdict(7, "BLOCKED", f"no optimizer step was recorded on every rank: the job {obs.ended()}"), None
     first = steps[0]
     scale, residual = best_multiple(first.observed, first.reference)
-    global_batch = f"{WORLD_SIZE} ranks x {BATCH_SIZE} samples"
+    global_batch = f"{obs.world_size} ranks x {BATCH_SIZE} samples"
     if residual > first.tolerance:
         off = relative(first.observed, first.reference)
-        return Verdict(7, "FAIL", f"step 1's gradient is not the gradient of the mean loss over the global batch ({global_batch}): relative difference {off:.2f}"), None
+        return verdict(7, "FAIL", f"step 1's gradient is not the gradient of the mean loss over the global batch ({global_batch}): relative difference {off:.2f}"), None
     if abs(scale - 1) > first.tolerance:
-        return Verdict(7, "FAIL", f"step 1's gradient is {scale:.2f} x the gradient of the mean loss over the global batch ({global_batch})"), scale
-    return Verdict(7, "PASS", f"step 1's gradient equals the gradient of the mean loss over the global batch ({global_batch})"), scale
+        return verdict(7, "FAIL", f"step 1's gradient is {scale:.2f} x the gradient of the mean loss over the global batch ({global_batch})"), scale
+    return verdict(7, "PASS", f"step 1's gradient equals the gradient of the mean loss over the global batch ({global_batch})"), scale
 
 
 def check_fresh_gradients(steps, problem: str | None, scale: float | None, obs: Observation) -> Verdict:
@@ -457,19 +466,19 @@ def check_fresh_gradients(steps, problem: str | None, scale: float | None, obs: 
     later step can be judged by this comparison).
     """
     if problem:
-        return Verdict(2, "BLOCKED", problem)
+        return verdict(2, "BLOCKED", problem)
     if len(steps) < 2:
-        return Verdict(2, "BLOCKED", f"fewer than 2 optimizer steps were recorded: the job {obs.ended()}")
+        return verdict(2, "BLOCKED", f"fewer than 2 optimizer steps were recorded: the job {obs.ended()}")
     if scale is None:
-        return Verdict(2, "BLOCKED", "step 1's gradient is not a multiple of the reference (check 7), so later steps cannot be compared")
+        return verdict(2, "BLOCKED", "step 1's gradient is not a multiple of the reference (check 7), so later steps cannot be compared")
     for step in range(1, len(steps)):
         this, previous = steps[step], steps[step - 1]
         if best_multiple(this.observed, this.reference)[1] <= this.tolerance:
             continue
         if best_multiple(this.observed - previous.observed, this.reference)[1] <= this.tolerance:
-            return Verdict(2, "FAIL", f"step {step + 1}'s gradient is step {step}'s gradient plus that of its own batch: gradients pile up from step to step")
-        return Verdict(2, "FAIL", f"step {step + 1}'s gradient is neither its own batch's gradient nor that plus step {step}'s")
-    return Verdict(2, "PASS", f"steps 2 to {len(steps)} each hold only the gradient of their own batch")
+            return verdict(2, "FAIL", f"step {step + 1}'s gradient is step {step}'s gradient plus that of its own batch: gradients pile up from step to step")
+        return verdict(2, "FAIL", f"step {step + 1}'s gradient is neither its own batch's gradient nor that plus step {step}'s")
+    return verdict(2, "PASS", f"steps 2 to {len(steps)} each hold only the gradient of their own batch")
 
 
 # --- checks 3 and 6: the saved model and the reported accuracy ---------------------------------------------
@@ -503,21 +512,21 @@ def check_saved_model(obs: Observation) -> tuple[Verdict, dict | None]:
     path = obs.out_dir / "model.pt"
     if not path.exists():
         if obs.finished:
-            return Verdict(3, "FAIL", "the job finished but wrote no file at --save"), None
-        return Verdict(3, "BLOCKED", f"no file at --save: the job {obs.ended()} before writing it"), None
+            return verdict(3, "FAIL", "the job finished but wrote no file at --save"), None
+        return verdict(3, "BLOCKED", f"no file at --save: the job {obs.ended()} before writing it"), None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # not a torch file, or not safe to load
-        return Verdict(3, "FAIL", f"the file at --save does not load with torch.load(weights_only=True) ({type(error).__name__})"), None
+        return verdict(3, "FAIL", f"the file at --save does not load with torch.load(weights_only=True) ({type(error).__name__})"), None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        return Verdict(3, "FAIL", "the file at --save is not a state_dict (a dict of tensors)"), None
+        return verdict(3, "FAIL", "the file at --save is not a state_dict (a dict of tensors)"), None
     model, weights, evidence = load_into_bare_model(state, DigitsCNN)
     if evidence:
-        return Verdict(3, "FAIL", evidence), weights
+        return verdict(3, "FAIL", evidence), weights
     first_step = obs.step_record(0, 1)
     if first_step is not None and torch.equal(parameters_to_vector(model.parameters()), first_step["params"]):
-        return Verdict(3, "FAIL", "it holds the initial weights: training never reached the saved file"), weights
-    return Verdict(3, "PASS", "it loads into a bare DigitsCNN (strict) and holds trained weights"), weights
+        return verdict(3, "FAIL", "it holds the initial weights: training never reached the saved file"), weights
+    return verdict(3, "PASS", "it loads into a bare DigitsCNN (strict) and holds trained weights"), weights
 
 
 @torch.no_grad()
@@ -531,35 +540,35 @@ def check_reported_accuracy(obs: Observation, weights: dict | None, held_out) ->
     metrics_path = obs.out_dir / "metrics.json"
     if not metrics_path.exists():
         if obs.finished:
-            return Verdict(6, "FAIL", "the job finished but wrote no --metrics-json")
-        return Verdict(6, "BLOCKED", f"no --metrics-json: the job {obs.ended()} before writing it")
+            return verdict(6, "FAIL", "the job finished but wrote no --metrics-json")
+        return verdict(6, "BLOCKED", f"no --metrics-json: the job {obs.ended()} before writing it")
     reported = json.loads(metrics_path.read_text()).get("eval_accuracy")
     if not isinstance(reported, (int, float)):
-        return Verdict(6, "FAIL", "--metrics-json has no numeric eval_accuracy")
+        return verdict(6, "FAIL", "--metrics-json has no numeric eval_accuracy")
     return accuracy_verdict(6, reported, obs, weights, held_out)
 
 
 def accuracy_verdict(number: int, reported: float, obs: Observation, weights: dict | None, held_out, name: str = "eval_accuracy") -> Verdict:
     """Is reported the saved weights' accuracy on the whole held-out set? If not, is it one rank's slice's?"""
     if weights is None:
-        return Verdict(number, "BLOCKED", "no usable weights at --save to recompute the accuracy from")
+        return verdict(number, "BLOCKED", "no usable weights at --save to recompute the accuracy from")
     images, labels = held_out.tensors
     correct, total = count_correct(weights, images, labels), len(labels)
     if abs(reported - correct / total) < 0.5 / total:
-        return Verdict(number, "PASS", f"the reported {name} {reported:.4f} is the saved model's on all {total} held-out images ({correct}/{total})")
+        return verdict(number, "PASS", f"the reported {name} {reported:.4f} is the saved model's on all {total} held-out images ({correct}/{total})")
     whole = f"on all {total} held-out images it scores {correct / total:.4f} ({correct}/{total})"
-    for rank in range(WORLD_SIZE):
+    for rank in obs.ranks:
         seen = sorted(set(obs.batches(rank, "held_out", obs.passes(rank, "held_out") - 1)))
         if seen and len(seen) < total:
             shard = torch.tensor(seen)
             shard_correct = count_correct(weights, images[shard], labels[shard])
             if abs(reported - shard_correct / len(seen)) < 0.5 / len(seen):
-                return Verdict(
+                return verdict(
                     number, "FAIL",
                     f"the reported {name} {reported:.4f} is the saved model's score on the {len(seen)} held-out "
                     f"images rank {rank} evaluated ({shard_correct}/{len(seen)}); {whole}",
                 )  # fmt: skip
-    return Verdict(number, "FAIL", f"the reported {name} is {reported:.4f}, but {whole}")
+    return verdict(number, "FAIL", f"the reported {name} is {reported:.4f}, but {whole}")
 
 
 # --- check 5: collectives ----------------------------------------------------------------------------------
@@ -582,7 +591,7 @@ def describe_unmatched(event: dict) -> str:
 
 
 def check_collectives(obs: Observation) -> Verdict:
-    events = [e for rank in range(WORLD_SIZE) for e in obs.events.get(rank, [])]
+    events = [e for rank in obs.ranks for e in obs.events.get(rank, [])]
     unmatched = sorted((e for e in events if e["kind"] == "collective" and e["decision"] == "skip"), key=lambda e: (e["progress"], e["rank"]))
     if unmatched:
         first = unmatched[0]
@@ -590,7 +599,7 @@ def check_collectives(obs: Observation) -> Verdict:
         other = next((e for e in unmatched if e["rank"] != first["rank"] and e["progress"] == first["progress"] and e["key"] != first["key"]), None)
         mismatch = f"rank {first['rank']} called {where(first)} while rank {other['rank']} called {other['what']}" if other else describe_unmatched(first)
         epochs = ", ".join(str(epoch) for epoch in sorted({max(e["epoch"], 0) for e in unmatched}))
-        return Verdict(
+        return verdict(
             5, "FAIL",
             f"{mismatch} (calls went unmatched in epoch {epochs}; unobserved, the ranks would wait there until "
             f"--timeout-s and the job would die)",
@@ -600,15 +609,15 @@ def check_collectives(obs: Observation) -> Verdict:
         waited = " while ".join(f"rank {e['rank']} waited in {where(e)}" for e in errors)
         # The rank that timed out first says why; its peer may then only see the closed connection.
         reason = next((e["error"] for e in errors if "Timed out" in e["error"]), errors[0]["error"])
-        return Verdict(5, "FAIL", f"{waited}, until gloo gave up: {reason}")
+        return verdict(5, "FAIL", f"{waited}, until gloo gave up: {reason}")
     if obs.run.timed_out:
         stuck = [(rank, state["inside"]) for rank, state in obs.final_states().items() if state and state["inside"]]
         inside = "; ".join(f"rank {rank} was waiting in {where(call)}" for rank, call in stuck) or "no rank was inside a collective called from Python"
-        return Verdict(5, "FAIL", f"the job hung and was killed after {obs.limit_s:g} s: {inside}")
+        return verdict(5, "FAIL", f"the job hung and was killed after {obs.limit_s:g} s: {inside}")
     if not obs.finished:
-        return Verdict(5, "BLOCKED", f"the job {obs.ended()} before every collective could be observed")
+        return verdict(5, "BLOCKED", f"the job {obs.ended()} before every collective could be observed")
     calls = sum(1 for e in obs.events.get(0, []) if e["kind"] == "collective")
-    return Verdict(5, "PASS", f"every rank made the same {calls} collective calls, in the same order, and the job finished")
+    return verdict(5, "PASS", f"every rank made the same {calls} collective calls, in the same order, and the job finished")
 
 
 def check(script: Path, out_dir: Path, rescue: bool = True, job_timeout_s: float | None = None) -> tuple[Observation, list[Verdict]]:
@@ -632,13 +641,6 @@ def judge(obs: Observation) -> list[Verdict]:
         check_reported_accuracy(obs, weights, splits.test),
         scale_verdict,
     ]
-
-
-def summary(verdicts: list[Verdict]) -> tuple[str, int]:
-    """The result line, and the exit status: 0 only when every check passed."""
-    counts = {status: sum(v.status == status for v in verdicts) for status in ("PASS", "FAIL", "BLOCKED")}
-    line = f"result: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['BLOCKED']} blocked of {len(verdicts)} checks"
-    return line, 0 if counts["PASS"] == len(verdicts) else 1
 
 
 def main(argv=None) -> int:
@@ -666,8 +668,8 @@ def main(argv=None) -> int:
     if args.show_output:
         print(f"--- the script's stdout\n{obs.run.stdout}--- its stderr\n{obs.run.stderr}--- end of the script's output")
     print(f"the job {obs.ended()}")
-    for verdict in verdicts:
-        print(verdict.line())
+    for decided in verdicts:
+        print(decided.line(**LINE_FORMAT))
     result, status = summary(verdicts)
     print(result)
     return status

@@ -395,7 +395,7 @@ class Recorder:
                     verdict = {"peer_did": "finished"}
                 elif state["progress"] > call["progress"]:
                     verdict = {"peer_did": "went_on", "peer_progress": state["progress"]}
-                elif waiting and waiting["key"] != key and waiting["progress"] == call["progress"]:
+                elif waiting and waiting["key"] != key and waiting["progress"] == call["progress"] and not self.decided(waiting["key"]):
                     verdict = {"peer_did": "other_call", "peer_what": waiting["what"]}
                 elif time.monotonic() - seen[peer][1] > STALL_S:
                     verdict = {"peer_did": "stalled", "stall_s": STALL_S}
@@ -404,6 +404,12 @@ class Recorder:
                 self.publish_decision(key, {"decision": "skip", "peer": peer, **verdict})
                 break
             time.sleep(POLL_S)
+
+    def decided(self, key: str) -> bool:
+        """Has the call `key` been decided? A peer still waiting in a decided call is only behind: it has
+        not yet read the decision (with 3 ranks, rank 0 can finish a broadcast it sends, and announce its
+        next call, before a receiving peer has even read that the broadcast runs)."""
+        return (self.out_dir / f"decision-{key}.json").exists()
 
     def publish_decision(self, key: str, verdict: dict) -> None:
         """The first rank to decide wins; every rank then reads the same decision."""

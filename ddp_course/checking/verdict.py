@@ -36,9 +36,10 @@ class Verdict:
     def passed(self) -> bool:
         return self.status == "PASS"
 
-    def line(self, name_width: int = 15) -> str:
-        """One line: number, name, status and evidence, and the hint after a FAIL."""
-        number = f"{self.number:>2} " if self.number is not None else ""
+    def line(self, name_width: int = 15, number_width: int = 2) -> str:
+        """One line: number (right-aligned in number_width), name (padded to name_width), status and
+        evidence, and the hint after a FAIL."""
+        number = f"{self.number:>{number_width}} " if self.number is not None else ""
         text = f"{number}{self.check:<{name_width}} {self.status:<7} {self.evidence}"
         return text + (f" -- hint: {self.hint}" if self.status == "FAIL" and self.hint else "")
 
