@@ -22,6 +22,7 @@ import json
 import re
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +54,11 @@ MAX_BUCKETS = 2  # DDP's default buckets hold the model's 0.6 MB in 1; 0.01 MB b
 # Busiest rank's CPU per step, besides producing the batch, over the least busy rank's: ranks doing the
 # same work 1.00-1.23 in two test runs on a loaded machine, rank 0 evaluating every step 2.8-3.2.
 MAX_CPU_IMBALANCE = 1.5
-MIN_SPEED_RATIO = 0.5  # the script's samples/s over the reference's: at most 2x slower
+# The script's samples/s over the reference's: at most 2.5x slower. Short timed runs are noisy: on the
+# course's 2-core machine (2026-11-29) the solution against itself measured 0.80-1.24 (7 checker runs, quiet),
+# and 0.61-1.13 while a one-process run shared the cores; the extra-work control (a real slowdown with no
+# signature) measured 0.24-0.26. The limit sits about 1.5x from the worst of both.
+MIN_SPEED_RATIO = 0.4
 MAX_ACCURACY_DROP = 0.10  # held-out accuracy below one process's: fixed 0.02-0.05 (seeds 0-2), lr unscaled 0.2-0.3
 
 CHECKS = {
@@ -250,9 +255,14 @@ def check(script: Path, folder: Path) -> tuple[RunResult, list[Verdict]]:
     """Run and judge one script; (the launch, its verdicts)."""
     runs = plan_runs(folder, {"checked": script}, full_of=["checked"], timeout_of=["checked"])
     with ThreadPoolExecutor(max_workers=1) as pool:
-        baseline = pool.submit(one_process_accuracy, folder)
-        result = launch(runs, folder)
-        one_process = baseline.result()
+        launched = pool.submit(launch, runs, folder)
+        # The one-process run starts once the timed runs are over: beside them it would share the cores
+        # (on the course's 2-core machine the solution's own speed ratio then ranged 0.61-1.13).
+        last_timed = next(run for run in runs if run["name"].endswith("-last"))
+        while not launched.done() and len(read_run(last_timed["out_dir"], WORLD_SIZE)) < WORLD_SIZE:
+            time.sleep(0.2)
+        one_process = one_process_accuracy(folder)
+        result = launched.result()
     found = read_runs(runs)
     return result, judge(found, "checked", one_process)
 
