@@ -542,7 +542,7 @@ def stage(course: Course, staging: Path, stamp: Stamp) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The four diagrams: alt text from the description committed beside each PNG (assets/NAME.json)
+# The diagrams: alt text from the description committed beside each PNG (assets/NAME.json)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -585,11 +585,31 @@ def describe_sharded_memory_timeline(description: dict) -> str:
             f"measured; phases: {phases}. " + "; ".join(parts) + ".")
 
 
+def describe_rank_timeline(description: dict) -> str:
+    panels = []
+    for panel in description["panels"].values():
+        ranks = []
+        for rank, bars in panel["bars"].items():
+            milliseconds = {category: 0.0 for category in description["categories"]}
+            for category, _start, duration in bars:
+                milliseconds[category] += duration
+            total = sum(milliseconds.values())
+            shares = ", ".join(f"{category} {100 * spent / total:.0f} %" for category, spent in milliseconds.items())
+            facts = panel["facts"][rank]
+            ranks.append(f"rank {rank} ({total:.0f} ms: {shares}; intra-op threads: {facts['threads']}, "
+                         f"all-reduce calls per step: {facts['allreduce_calls_per_step']}, buckets: {facts['buckets_per_round']})")
+        panels.append(f"{panel['title']}: " + "; ".join(ranks))
+    steps = description["steps"]
+    return (f"Timeline chart, one bar per rank, of steps {steps[0]} to {steps[-1]}, each rank's time coloured by "
+            f"{', '.join(description['categories'])}, measured. " + " | ".join(panels) + ".")
+
+
 DIAGRAM_DESCRIBERS = {
     "torchrun_processes": describe_torchrun_processes,
     "ddp_backward": describe_ddp_backward,
     "failure_decision_tree": describe_failure_decision_tree,
     "sharded_memory_timeline": describe_sharded_memory_timeline,
+    "lab10_timeline": describe_rank_timeline,
 }
 
 

@@ -38,3 +38,14 @@ def test_a_changed_description_is_caught(tmp_path, monkeypatch):
     assert diagrams.stale(Fake) == "fake_diagram: what it shows changed since it was drawn"
     monkeypatch.setattr(diagrams, "fingerprint", lambda module: "4567")
     assert diagrams.stale(Fake) == "fake_diagram: its drawing code changed since it was drawn"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("module", MODULES, ids=[module.NAME for module in MODULES])
+def test_the_website_can_describe_the_figure_in_words(module):
+    """Every figure gets alt text on the website from its committed description; a new figure without a
+    describer once failed only in the website build, after the whole suite had passed."""
+    from ddp_course import website
+
+    alt_text = website.diagram_alt_texts(diagrams.ASSETS.parent)[f"assets/{module.NAME}.png"]
+    assert len(alt_text.split()) >= 20, alt_text

@@ -48,7 +48,7 @@ def mark_sections(app, doctree):
                 title += nodes.inline(tag.strip("[]"), tag.strip("[]"), classes=["course-tag", f"course-tag-{css}"])
 
 
-# --- the four diagrams: alt text from their committed descriptions ----------------------------------
+# --- the diagrams: alt text from their committed descriptions ----------------------------------
 
 def describe_diagrams(app, doctree):
     alt_texts = course(app)["diagram_alt"]
