@@ -10,9 +10,9 @@ What it grades, and from which file (yours; with --solutions, the course's):
                       each cell runs after its solutions notebook's set-up cells, then the notebook's
                       own check (ddp_course/lectureNN_checks.py), whose verdict is the row
   lab3                labs/my_ddp.py (solutions/my_ddp.py): the conversion checker's 13 checks
-                      (labs/lab3_convert_check.py)
+                      (python labs/lab3_convert_check.py; ddp_course/checking/conversion.py)
   lab4                my_lab4.py at the repository root (solutions/lab4_broken_ddp.py): lab 4's 7 checks
-                      (labs/lab4_check.py). Check 4 (epoch-shuffle) counts only once check 1 (data-split)
+                      (python labs/lab4_check.py; ddp_course/checking/lab4.py). Check 4 (epoch-shuffle) counts only once check 1 (data-split)
                       passes: without a DistributedSampler the DataLoader's own shuffle hides bug 4, so the
                       broken script passes it
   lab10               my_lab10.py at the repository root (solutions/lab10_slow_ddp.py): lab 10's 9 checks
@@ -237,9 +237,7 @@ def checker_rows(exercise: str, verdicts, names: dict[int, tuple]) -> list[Row]:
 
 def lab3_rows(sources: Sources, check=None) -> list[Row]:
     """The conversion checker on labs/my_ddp.py; check(script, out_dir) -> (observations, verdicts) (tests pass their own)."""
-    from ddp_course.launch import import_script
-
-    checker = import_script(sources.root / "labs" / "lab3_convert_check.py", name="lab3_convert_check_for_grade")
+    from ddp_course.checking import conversion as checker
     script = sources.lab3()
     gpu = gpu_row("lab3", "the script on GPUs (NCCL, cuda:LOCAL_RANK)", script)
     if not script.is_file():
@@ -257,9 +255,7 @@ DEPENDS_ON = {
 
 
 def lab4_rows(sources: Sources, check=None) -> list[Row]:
-    from ddp_course.launch import import_script
-
-    checker = import_script(sources.root / "labs" / "lab4_check.py", name="lab4_check_for_grade")
+    from ddp_course.checking import lab4 as checker
     script = sources.lab4()
     if not script.is_file():
         reason = f"no {display(script, sources)} yet: cp labs/lab4_broken_ddp.py my_lab4.py, then fix it (lab 4 sheet, section 6)"

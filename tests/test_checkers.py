@@ -1,6 +1,6 @@
-"""The two checkers built on lab 4's observer (labs/lab4_observe.py), each judged on real jobs.
+"""The two checkers built on lab 4's observer (ddp_course/checking/observer.py), each judged on real jobs.
 
-- Lab 3's conversion checker (labs/lab3_convert_check.py) passes solutions/my_ddp.py on all thirteen
+- Lab 3's conversion checker (ddp_course/checking/conversion.py) passes solutions/my_ddp.py on all thirteen
   checks, and fails each planted mistake (a small edit of that solution, made here, so the mistakes
   cannot drift from it: one per check, and more spellings of some) on its own check only; two more
   spellings are made from the solution's recorded runs without a launch. Each correct conversion
@@ -8,7 +8,7 @@
   wrapper without DDP fails check 4 alone, and numbers written for 2 ranks (a schedule's length, a
   held-out slice, a printed loss divided by 2) fail their own checks on the checker's 3 ranks. The
   observer records what DataLoader workers started by `spawn` (macOS's and Windows' default) deliver.
-- Lab 4's broken-DDP checker (labs/lab4_check.py) finds every planted bug from what the script does,
+- Lab 4's broken-DDP checker (ddp_course/checking/lab4.py) finds every planted bug from what the script does,
   and only that bug. The copies with one bug are made here from solutions/lab4_broken_ddp.py, with
   the same edits that turn it into labs/lab4_broken_ddp.py, so the exercise, the solution and these
   tests cannot drift apart.
@@ -329,7 +329,7 @@ UNRESCUED_JOB_LIMIT_S = 90
 # Each rows launch is killed at this limit (a hung row). Lab 3's, the longest (now 60 runs on 3 ranks
 # as three one-process nodes; before, 30 runs on 2), took 60-80 s on this machine while the main job took
 # 15-17 s (a run is about 0.5 s once torch._dynamo is imported and gc.freeze() keeps the collector's
-# work small, see labs/lab4_observe.py); the limit is for a much slower machine.
+# work small, see ddp_course/checking/observer.py); the limit is for a much slower machine.
 ROWS_TIMEOUT_S = 600
 # `python labs/lab4_check.py --job-timeout-s 120` on the exercise: 16-18 s alone on 2 quiet cores. It runs
 # beside the rows launch, which now takes minutes on a loaded machine; the checker's default limit (60 s)
@@ -414,13 +414,15 @@ def hung_solution() -> str:
 
 @pytest.fixture(scope="module")
 def convert_checker():
-    """labs/lab3_convert_check.py as a module: calling it in this process saves a checker start-up."""
-    return import_script(CONVERT_CHECKER)
+    """The conversion checker's module: calling it in this process saves a checker start-up."""
+    from ddp_course.checking import conversion
+
+    return conversion
 
 
 @pytest.fixture(scope="module")
 def checker(convert_checker):
-    """labs/lab4_check.py as a module, the one lab 3's checker imported (one copy of the digits in this process)."""
+    """Lab 4's checker's module, the one lab 3's checker imports (one copy of the digits in this process)."""
     return convert_checker.lab4
 
 
@@ -612,9 +614,7 @@ def test_my_ddp_solution_passes_all_thirteen_checks(convert_checker, jobs, monke
 
 def edited_copy(observation, folder, edit):
     """An Observation of a copy of a run's folder, whose recorded files edit(copy) changed (a spelling made without a launch)."""
-    from ddp_course.launch import import_script
-
-    lab4 = import_script(REPO_ROOT / "labs" / "lab4_check.py")
+    from ddp_course.checking import lab4
     original = observation.out_dir
     shutil.copytree(original, folder)
     for events in folder.glob("events-r*.jsonl"):  # the files it saved and loaded, where the copy has them
@@ -770,7 +770,7 @@ def test_there_is_a_planted_mistake_for_every_check(convert_checker):
 def test_each_row_runs_with_its_own_checkers_observer_settings(checker, convert_checker, jobs):
     """Lab 3's rows record the details of every step (its OBSERVER_ENV), lab 4's only the first
     GRADIENT_STEPS: a row's env applies to that row alone, also to lab 4's solution after lab 3's rows."""
-    observer = import_script(REPO_ROOT / "labs" / "lab4_observe.py")
+    from ddp_course.checking import observer
     lab3_steps = int(convert_checker.OBSERVER_ENV["LAB4_OBSERVE_STEPS"])
     for name, observation in jobs["rows"].result().items():
         assert observation.run.ok, observation.run.describe()
@@ -823,7 +823,7 @@ def test_the_observer_records_what_spawned_workers_deliver(checker, convert_chec
 def test_the_observer_finds_what_it_patches_in_this_torch():
     """Every torch attribute the observer replaces exists with the parameters it relies on; a missing or
     changed one is named (install() then refuses to run instead of silently blinding a check)."""
-    observer = import_script(REPO_ROOT / "labs" / "lab4_observe.py")
+    from ddp_course.checking import observer
     assert observer.check_torch_internals() == []
     changed = {"torch.utils.data.dataloader._BaseDataLoaderIter._next_index_renamed": ["self"], "torch.Tensor.backward": ["self", "retain_graph"]}
     problems = observer.check_torch_internals(changed)
@@ -839,7 +839,7 @@ def test_a_job_that_dies_names_its_exception(checker):
 
 def test_observed_ranks_read_the_same_digits(checker, tmp_path):
     """The observer serves the checker's saved digits (no scikit-learn in the ranks): the same tensors."""
-    observer = import_script(REPO_ROOT / "labs" / "lab4_observe.py")
+    from ddp_course.checking import observer
     served, loaded = observer._load_saved_digits(str(checker.save_digits(tmp_path / "digits.pt"))), load_digits()
     assert served.num_classes == loaded.num_classes
     for split in ("train", "test"):
@@ -849,10 +849,10 @@ def test_observed_ranks_read_the_same_digits(checker, tmp_path):
 
 def test_the_observer_imports_nn_functional_before_any_script_runs():
     """Before the script's init_process_group: its group= defaults then capture None, not the group
-    (labs/lab4_observe.py's docstring), so a correct script's clean exit is not a coin toss. The
+    (the observer's docstring), so a correct script's clean exit is not a coin toss. The
     rows launch imports the observer before its first row, and the checker runs it as torchrun's
     script: a module-level import runs before either reaches a script."""
-    tree = ast.parse((REPO_ROOT / "labs" / "lab4_observe.py").read_text())
+    tree = ast.parse((REPO_ROOT / "ddp_course" / "checking" / "observer.py").read_text())
     imported_at = [node.lineno for node in tree.body if isinstance(node, ast.Import) and any(a.name == "torch.distributed.nn.functional" for a in node.names)]
     first_function = min(node.lineno for node in tree.body if isinstance(node, ast.FunctionDef))
     assert imported_at and imported_at[0] < first_function, imported_at
@@ -1013,3 +1013,18 @@ def test_the_sheets_stored_checker_runs_are_what_the_checker_prints(convert_chec
         REFERENCE.mkdir(exist_ok=True)
         (REFERENCE / name).write_text(output)
     assert masked((REFERENCE / name).read_text()) == masked(output)
+
+
+def test_the_checkers_copy_of_the_starting_scripts_model_and_schedule_is_the_scripts(convert_checker):
+    """The checker keeps its own DigitsNet and lr_at (the package loads no script); they must stay the
+    starting script's: the same parameters, the same outputs from the same weights, the same rates."""
+    start = import_script(REPO_ROOT / "labs" / "train_realistic.py", name="train_realistic_contract")
+    torch.manual_seed(0)
+    theirs = start.DigitsNet()
+    ours = convert_checker.DigitsNet()
+    assert [(n, p.shape) for n, p in ours.state_dict().items()] == [(n, p.shape) for n, p in theirs.state_dict().items()]
+    ours.load_state_dict(theirs.state_dict())
+    images = torch.randn(5, 1, 8, 8)
+    assert torch.equal(ours.eval()(images), theirs.eval()(images))
+    for total, warmup in ((8, 3), (40, 5), (1, 1)):
+        assert [convert_checker.lr_at(s, total, warmup, 4e-3) for s in range(total + 2)] == [start.lr_at(s, total, warmup, 4e-3) for s in range(total + 2)]

@@ -6,9 +6,9 @@ pre-activation within rounding of 0 can land on either side of a ReLU: that swit
 gradient through one unit on or off. With a fixed tolerance of 1e-3, the loss scaled by the world
 size was reported to fail check 2 as well as check 7 on a CPU with AVX-512, and to pass check 2
 under ATEN_CPU_CAPABILITY=default. The tolerance is now derived from the numbers compared
-(lab4_check.rounding_tolerance).
+(ddp_course/checking/lab4.py, rounding_tolerance).
 
-The first tests build the step records the observer writes (labs/lab4_observe.py) in this process,
+The first tests build the step records the observer writes (ddp_course/checking/observer.py) in this process,
 with a ReLU switched as rounding can switch it: no launch, the same on every CPU. The last ones run
 the checker on the loss-times-world-size script under each CPU capability this machine has.
 """
@@ -26,8 +26,7 @@ from torch.nn.utils import parameters_to_vector
 
 from ddp_course.launch import REPO_ROOT, RunResult
 
-sys.path.insert(0, str(REPO_ROOT / "labs"))
-import lab4_check  # noqa: E402
+from ddp_course.checking import lab4 as lab4_check
 
 WORLD_SIZE, BATCH = lab4_check.WORLD_SIZE, lab4_check.BATCH_SIZE
 STEPS = 3

@@ -1,9 +1,9 @@
 """Run a training script under torchrun and record what each rank does: the eyes of lab 4's and lab 3's checkers.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 labs/lab4_observe.py OUT_DIR SCRIPT [ARGS...]
-    python -m torch.distributed.run ... labs/lab4_observe.py --runs RUNS.json    # several runs, one after another
+    python -m torch.distributed.run --standalone --nproc_per_node=2 ddp_course/checking/observer.py OUT_DIR SCRIPT [ARGS...]
+    python -m torch.distributed.run ... ddp_course/checking/observer.py --runs RUNS.json    # several runs, one after another
 
-labs/lab4_check.py and labs/lab3_convert_check.py launch this for you. Every rank installs a few
+Lab 4's checker and lab 3's conversion checker (ddp_course/checking/lab4.py and conversion.py) launch this for you. Every rank installs a few
 patches, then runs SCRIPT as `__main__` (with runpy, as torchrun would have run it) and writes to
 OUT_DIR what it saw:
 
@@ -477,7 +477,7 @@ def _read_json(path: Path):
 
 
 def _load_saved_digits(path: str) -> ddp_course.data.DatasetSplits:
-    """The digits splits from the tensors the checker saved (see lab4_check.save_digits)."""
+    """The digits splits from the tensors the checker saved (see ddp_course/checking/lab4.py, save_digits)."""
     saved = torch.load(path, weights_only=True)
     return ddp_course.data.DatasetSplits(
         name="digits", train=TensorDataset(*saved["train"]), test=TensorDataset(*saved["test"]), num_classes=saved["num_classes"]
@@ -569,7 +569,7 @@ class _SkippedWork:
 
 def install(recorder: Recorder) -> None:
     if problems := check_torch_internals():
-        raise RuntimeError(f"labs/lab4_observe.py cannot observe with torch {torch.__version__}: {'; '.join(problems)}")
+        raise RuntimeError(f"ddp_course/checking/observer.py cannot observe with torch {torch.__version__}: {'; '.join(problems)}")
     original_load_digits = ddp_course.data.load_digits
     saved_digits = os.environ.get("LAB4_OBSERVE_DIGITS")
 
@@ -818,7 +818,7 @@ def main(argv: list[str]) -> int:
         sys.stderr.flush()
         os._exit(status)  # after a failing run a peer may be blocked in a collective; torchrun must see the status
     if len(argv) < 2:
-        print("usage: lab4_observe.py OUT_DIR SCRIPT [ARGS...] | --runs RUNS.json (run under torchrun)", file=sys.stderr)
+        print("usage: observer.py OUT_DIR SCRIPT [ARGS...] | --runs RUNS.json (run under torchrun)", file=sys.stderr)
         return 2
     out_dir, script = Path(argv[0]), Path(argv[1]).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
