@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ddp_course.checking.verdict import Verdict
 from ddp_course.launch import REPO_ROOT, RunResult, run_command, run_torchrun
 from ddp_course.resume import RESTART_SAFE_ENV
 
@@ -294,23 +295,34 @@ LECTURE5_PARTS = ("profile", "hooks", "buckets", "accumulation", "zero", "gradsc
 
 
 @dataclass(frozen=True)
-class Outcome:
-    name: str
-    passed: bool
-    wall_s: float
-    detail: str  # the key figure, or why it failed
+class Outcome(Verdict):
+    """One lab's smoke run: the course's Verdict (PASS with the key figure, or FAIL with why) and its wall time."""
+
+    wall_s: float = 0.0
+
+    @classmethod
+    def of(cls, name: str, passed: bool, wall_s: float, detail: str) -> Outcome:
+        return cls(name, "PASS" if passed else "FAIL", detail, wall_s=wall_s)
+
+    @property
+    def name(self) -> str:
+        return self.check
+
+    @property
+    def detail(self) -> str:
+        return self.evidence
 
 
 def judge(lab: LabRun, result: RunResult, out: Path) -> Outcome:
     """PASS needs exit status 0 and a key figure that shows success; anything else is a FAIL with a reason."""
     if result.timed_out:
-        return Outcome(lab.name, False, result.wall_s, f"timed out after {lab.timeout_s:g} s")
+        return Outcome.of(lab.name, False, result.wall_s, f"timed out after {lab.timeout_s:g} s")
     if not result.ok:
-        return Outcome(lab.name, False, result.wall_s, f"exit status {result.returncode}: {last_error_line(result.stderr)}")
+        return Outcome.of(lab.name, False, result.wall_s, f"exit status {result.returncode}: {last_error_line(result.stderr)}")
     try:
-        return Outcome(lab.name, True, result.wall_s, lab.key_figure(out))
+        return Outcome.of(lab.name, True, result.wall_s, lab.key_figure(out))
     except (KeyFigureError, KeyError, TypeError) as error:
-        return Outcome(lab.name, False, result.wall_s, f"ran, but {error}")
+        return Outcome.of(lab.name, False, result.wall_s, f"ran, but {error}")
 
 
 def last_error_line(stderr: str) -> str:
@@ -323,7 +335,7 @@ def last_error_line(stderr: str) -> str:
 
 
 def format_line(outcome: Outcome) -> str:
-    return f"{'PASS' if outcome.passed else 'FAIL'}  {outcome.name:<18} {outcome.wall_s:6.1f} s  {outcome.detail}"
+    return f"{outcome.status}  {outcome.name:<18} {outcome.wall_s:6.1f} s  {outcome.detail}"
 
 
 def summary(outcomes: list[Outcome]) -> tuple[str, int]:

@@ -48,13 +48,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddp_course.checking.verdict import Verdict
 from ddp_course.cli import CourseArgumentParser
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-STATUSES = ("PASS", "FAIL", "BLOCKED")
 LECTURE_TIMEOUT_S = 300  # all lecture exercises, in one worker process
 CELL_TIMEOUT_S = 60  # one cell of a lecture exercise (an infinite loop in an answer ends here)
 LAB_TIMEOUT_S = 240  # one lab's job
@@ -63,12 +63,20 @@ EXERCISE_VERDICT = re.compile(r"^exercise (\d+): (.*)$", re.MULTILINE)
 NO_GPU = "needs GPUs (CUDA sees {gpus} here): run it on a GPU machine"
 
 
-@dataclass
-class Row:
-    exercise: str
-    check: str
-    status: str  # PASS, FAIL or BLOCKED
-    reason: str = ""
+@dataclass(frozen=True)
+class Row(Verdict):
+    """One line of the table: the checkers' own Verdict of one check, the exercise it belongs to, and
+    the point it earns (BLOCKED earns nothing and costs nothing). Build one with Row.of(...)."""
+
+    exercise: str = ""
+
+    @classmethod
+    def of(cls, exercise: str, check: str, status: str, reason: str = "") -> Row:
+        return cls(check, status, reason, exercise=exercise)
+
+    @property
+    def reason(self) -> str:
+        return self.evidence
 
     @property
     def points(self) -> int:
@@ -77,6 +85,9 @@ class Row:
     @property
     def max_points(self) -> int:
         return 0 if self.status == "BLOCKED" else 1
+
+    def as_json(self) -> dict:
+        return {"exercise": self.exercise, "check": self.check, "status": self.status, "reason": self.reason}
 
 
 @dataclass
@@ -129,11 +140,11 @@ def graded_lectures(lectures: list[tuple[str, Path, Path]], root: Path = REPO_RO
         output, problem = expired.stdout or "", f"the lecture exercises did not finish within {timeout_s:g} s"
     if isinstance(output, bytes):
         output = output.decode()
-    rows = [Row(**json.loads(line[len("ROW "):])) for line in output.splitlines() if line.startswith("ROW ")]
+    rows = [Row.of(**json.loads(line[len("ROW "):])) for line in output.splitlines() if line.startswith("ROW ")]
     graded = {row.exercise for row in rows}
     for name, _, solved in lectures:  # a lecture the worker never reached
         if name not in graded:
-            rows += [Row(name, check, "FAIL", problem or "not graded") for check in exercise_titles(solved)]
+            rows += [Row.of(name, check, "FAIL", problem or "not graded") for check in exercise_titles(solved)]
     return rows
 
 
@@ -179,15 +190,15 @@ def grade_lecture(name: str, graded: Path, solved: Path) -> list[Row]:
         if check:
             number = check.group(1)
             if setup_problem:
-                rows.append(Row(name, f"exercise {number}", "FAIL", setup_problem))
+                rows.append(Row.of(name, f"exercise {number}", "FAIL", setup_problem))
                 continue
             printed, error = run_cell(source, namespace)
             verdict = next((text for found, text in EXERCISE_VERDICT.findall(printed) if found == number), None)
             if error or verdict is None:  # no "exercise N: ..." line: the check's last line says why (lecture 2: "not done yet")
                 said = printed.strip().splitlines()[-1] if printed.strip() else "the check printed nothing"
-                rows.append(Row(name, f"exercise {number}", "FAIL", namespace.pop("__missing__", None) or error or said))
+                rows.append(Row.of(name, f"exercise {number}", "FAIL", namespace.pop("__missing__", None) or error or said))
             else:
-                rows.append(Row(name, f"exercise {number}", "PASS" if verdict.startswith("correct") else "FAIL", verdict))
+                rows.append(Row.of(name, f"exercise {number}", "PASS" if verdict.startswith("correct") else "FAIL", verdict))
             namespace.pop("__missing__", None)
             continue
         _, error = run_cell(source, namespace)
@@ -226,13 +237,13 @@ def lecture_worker(plan_json: str) -> int:
     matplotlib.use("Agg")  # the set-up cells may draw; nobody looks
     for name, graded, solved in json.loads(plan_json):
         for row in grade_lecture(name, Path(graded), Path(solved)):
-            print("ROW " + json.dumps(asdict(row)), flush=True)
+            print("ROW " + json.dumps(row.as_json()), flush=True)
     return 0
 
 
 # --- labs 3 and 4: the behavioural checkers ----------------------------------------------------------------
 def checker_rows(exercise: str, verdicts, names: dict[int, tuple]) -> list[Row]:
-    return [Row(exercise, f"{v.number} {names[v.number][0]}", v.status, v.evidence) for v in verdicts]
+    return [Row.of(exercise, f"{v.number} {names[v.number][0]}", v.status, v.evidence) for v in verdicts]
 
 
 def lab3_rows(sources: Sources, check=None) -> list[Row]:
@@ -242,7 +253,7 @@ def lab3_rows(sources: Sources, check=None) -> list[Row]:
     gpu = gpu_row("lab3", "the script on GPUs (NCCL, cuda:LOCAL_RANK)", script)
     if not script.is_file():
         reason = f"no {display(script, sources)} yet: cp labs/train_realistic.py labs/my_ddp.py, then turn it into a DDP script"
-        return [Row("lab3", f"{number} {name}", "FAIL", reason) for number, (name, _) in checker.CHECKS.items()] + [gpu]
+        return [Row.of("lab3", f"{number} {name}", "FAIL", reason) for number, (name, _) in checker.CHECKS.items()] + [gpu]
     with tempfile.TemporaryDirectory(prefix="grade_lab3_") as out_dir:
         _, verdicts = (check or checker.check)(script.resolve(), Path(out_dir))
     return checker_rows("lab3", verdicts, checker.CHECKS) + [gpu]
@@ -259,7 +270,7 @@ def lab4_rows(sources: Sources, check=None) -> list[Row]:
     script = sources.lab4()
     if not script.is_file():
         reason = f"no {display(script, sources)} yet: cp labs/lab4_broken_ddp.py my_lab4.py, then fix it (lab 4 sheet, section 6)"
-        return [Row("lab4", f"{number} {name}", "FAIL", reason) for number, (name, _) in checker.CHECKS.items()]
+        return [Row.of("lab4", f"{number} {name}", "FAIL", reason) for number, (name, _) in checker.CHECKS.items()]
     with tempfile.TemporaryDirectory(prefix="grade_lab4_") as out_dir:
         _, verdicts = (check or checker.check)(script.resolve(), Path(out_dir))
     return with_dependencies("lab4", verdicts, checker.CHECKS)
@@ -271,9 +282,9 @@ def with_dependencies(exercise: str, verdicts, names) -> list[Row]:
     for verdict in verdicts:
         needed = DEPENDS_ON.get(exercise, {}).get(verdict.number)
         if needed and verdict.status == "PASS" and by_number[needed[0]].status != "PASS":
-            rows.append(Row(exercise, f"{verdict.number} {names[verdict.number][0]}", "BLOCKED", needed[1]))
+            rows.append(Row.of(exercise, f"{verdict.number} {names[verdict.number][0]}", "BLOCKED", needed[1]))
         else:
-            rows.append(Row(exercise, f"{verdict.number} {names[verdict.number][0]}", verdict.status, verdict.evidence))
+            rows.append(Row.of(exercise, f"{verdict.number} {names[verdict.number][0]}", verdict.status, verdict.evidence))
     return rows
 
 
@@ -284,10 +295,10 @@ def lab10_rows(sources: Sources, check=None) -> list[Row]:
     script = sources.lab10()
     if not script.is_file():
         reason = f"no {display(script, sources)} yet: cp labs/lab10_slow_ddp.py my_lab10.py, then measure and fix it (lab 10 sheet)"
-        return [Row("lab10", f"{number} {name}", "FAIL", reason) for number, (name, _) in lab10.CHECKS.items()]
+        return [Row.of("lab10", f"{number} {name}", "FAIL", reason) for number, (name, _) in lab10.CHECKS.items()]
     with tempfile.TemporaryDirectory(prefix="grade_lab10_") as folder:
         _, verdicts = (check or lab10.check)(script.resolve(), Path(folder))
-    return [Row("lab10", f"{v.number} {v.check}", v.status, v.evidence) for v in verdicts]
+    return [Row.of("lab10", f"{v.number} {v.check}", v.status, v.evidence) for v in verdicts]
 
 
 # --- labs 6 and 8: the labs' own checks, through their command lines ----------------------------------------
@@ -313,7 +324,7 @@ def lab6_rows(sources: Sources, run=None) -> list[Row]:
     rows, impls = {}, []
     for part, (check, impl, needs) in LAB6_PARTS.items():
         if needs & left:
-            rows[part] = Row("lab6", check, "FAIL", f"not done: TODO(lab 6, part {min(needs & left)}) still raises in {display(exercise_file, sources)}")
+            rows[part] = Row.of("lab6", check, "FAIL", f"not done: TODO(lab 6, part {min(needs & left)}) still raises in {display(exercise_file, sources)}")
         else:
             impls.append(impl)
     if impls:
@@ -327,7 +338,7 @@ def lab6_rows(sources: Sources, run=None) -> list[Row]:
             if impl not in impls:
                 continue
             ok = (bool(zero) and zero.group(1) == "PASS") if impl == "zero" else passed.get(impl, False)
-            rows[part] = Row("lab6", check, "PASS" if ok else "FAIL", lab_line(result, "zero-1" if impl == "zero" else impl, ok))
+            rows[part] = Row.of("lab6", check, "PASS" if ok else "FAIL", lab_line(result, "zero-1" if impl == "zero" else impl, ok))
     return [rows[part] for part in sorted(rows)] + [gpu_row("lab6", "the wrappers on GPUs (NCCL)", exercise_file)]
 
 
@@ -352,15 +363,15 @@ def lab8_rows(sources: Sources, run=None) -> list[Row]:
     if done:
         result = (run or run_command_of_lab)(sources.root / "labs" / "lab8_fsdp.py", ["--part", str(done), "--module", sources.module()])
         for part, status, name, detail in PART_LINE.findall(result.stdout):
-            rows.append(Row("lab8", f"part {part}: {name}", status, detail))
+            rows.append(Row.of("lab8", f"part {part}: {name}", status, detail))
         ran = {int(part) for part, *_ in PART_LINE.findall(result.stdout)}
         for part in range(1, done + 1):
             if part not in ran:  # the job ended before this part's lines
-                rows += [Row("lab8", f"part {part}: {name}", "FAIL", lab_failure(result, "part")) for name in LAB8_CHECKS[part]]
+                rows += [Row.of("lab8", f"part {part}: {name}", "FAIL", lab_failure(result, "part")) for name in LAB8_CHECKS[part]]
     for part in range(done + 1, max(LAB8_CHECKS) + 1):
         why = (f"not done: TODO(lab 8, part {part}) still raises in {display(exercise_file, sources)}" if part in left
                else f"needs part {done + 1} first (labs/lab8_fsdp.py --part {part} runs parts 1 to {part})")  # fmt: skip
-        rows += [Row("lab8", f"part {part}: {name}", "FAIL", why) for name in LAB8_CHECKS[part]]
+        rows += [Row.of("lab8", f"part {part}: {name}", "FAIL", why) for name in LAB8_CHECKS[part]]
     rows.sort(key=lambda row: int(row.check.split()[1].rstrip(":")))
     return rows + [gpu_row("lab8", "peak memory per rank on GPUs", exercise_file)]
 
@@ -405,8 +416,8 @@ def gpu_row(exercise: str, check: str, path: Path) -> Row:
 
     gpus = torch.cuda.device_count()
     if gpus == 0:
-        return Row(exercise, check, "BLOCKED", NO_GPU.format(gpus=gpus))
-    return Row(exercise, check, "BLOCKED", f"{gpus} GPU(s) here: the grader does not launch GPU jobs; run the lab's GPU commands (README) on {path.name}")
+        return Row.of(exercise, check, "BLOCKED", NO_GPU.format(gpus=gpus))
+    return Row.of(exercise, check, "BLOCKED", f"{gpus} GPU(s) here: the grader does not launch GPU jobs; run the lab's GPU commands (README) on {path.name}")
 
 
 def display(path: Path, sources: Sources) -> str:
@@ -459,7 +470,7 @@ def totals(rows: list[Row]) -> str:
 def report(rows: list[Row], sources: Sources, seconds: float) -> dict:
     return {
         "graded": "solutions" if sources.solutions else "your files",
-        "rows": [{**asdict(row), "points": row.points, "max_points": row.max_points} for row in rows],
+        "rows": [{**row.as_json(), "points": row.points, "max_points": row.max_points} for row in rows],
         "points": sum(r.points for r in rows), "max_points": sum(r.max_points for r in rows),
         "passed": exit_status(rows) == 0, "seconds": round(seconds, 1),
     }  # fmt: skip

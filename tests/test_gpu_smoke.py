@@ -88,7 +88,7 @@ def test_a_lab_that_ran_passes_with_its_key_figure(tmp_path, name):
         (tmp_path / extra).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / extra).write_text("{}")
     outcome = smoke.judge(LABS[name], finished(), tmp_path)
-    assert outcome == smoke.Outcome(name, True, 12.5, figure)
+    assert outcome == smoke.Outcome.of(name, True, 12.5, figure)
     assert smoke.format_line(outcome) == f"PASS  {name:<18}   12.5 s  {figure}"
 
 
@@ -212,7 +212,7 @@ def test_a_crashed_lab_fails_with_its_last_error_line(tmp_path):
 
 def test_a_lab_that_timed_out_fails(tmp_path):
     outcome = smoke.judge(LABS["lab2_join"], finished(returncode=None, wall_s=300.2, timed_out=True), tmp_path)
-    assert outcome == smoke.Outcome("lab2_join", False, 300.2, "timed out after 300 s")
+    assert outcome == smoke.Outcome.of("lab2_join", False, 300.2, "timed out after 300 s")
     assert smoke.format_line(outcome) == "FAIL  lab2_join           300.2 s  timed out after 300 s"
 
 
@@ -222,7 +222,7 @@ def test_a_lab_without_its_json_fails(tmp_path):
 
 
 def test_summary_counts_and_exit_status():
-    ok, bad = smoke.Outcome("lab1", True, 1.0, "x"), smoke.Outcome("lab3", False, 2.0, "timed out after 300 s")
+    ok, bad = smoke.Outcome.of("lab1", True, 1.0, "x"), smoke.Outcome.of("lab3", False, 2.0, "timed out after 300 s")
     assert smoke.summary([ok, ok]) == ("2 passed, 0 failed", 0)
     assert smoke.summary([ok, bad]) == ("1 passed, 1 failed", 1)
     assert smoke.summary([]) == ("0 passed, 0 failed", 1)  # nothing ran: not a success

@@ -25,9 +25,9 @@ Row = grade.Row
 
 def fake_rows():
     return [
-        Row("lecture1", "exercise 1", "PASS", "correct"),
-        Row("lab3", "1 data-split", "PASS", "disjoint"),
-        Row("lab3", "the script on GPUs (NCCL, cuda:LOCAL_RANK)", "BLOCKED", "needs GPUs"),
+        Row.of("lecture1", "exercise 1", "PASS", "correct"),
+        Row.of("lab3", "1 data-split", "PASS", "disjoint"),
+        Row.of("lab3", "the script on GPUs (NCCL, cuda:LOCAL_RANK)", "BLOCKED", "needs GPUs"),
     ]
 
 
@@ -35,7 +35,7 @@ def test_points_count_what_ran_and_the_exit_status_needs_every_row_that_ran_to_p
     rows = fake_rows()
     assert [(r.points, r.max_points) for r in rows] == [(1, 1), (1, 1), (0, 0)]
     assert grade.exit_status(rows) == 0  # a BLOCKED row did not run: it does not fail the grade
-    assert grade.exit_status([*rows, Row("lab4", "5 collectives", "FAIL", "unmatched")]) == 1
+    assert grade.exit_status([*rows, Row.of("lab4", "5 collectives", "FAIL", "unmatched")]) == 1
     text = grade.table(rows)
     lines = text.splitlines()
     assert lines[0].split() == ["exercise", "check", "status", "points", "reason"]
@@ -50,9 +50,9 @@ def test_points_count_what_ran_and_the_exit_status_needs_every_row_that_ran_to_p
 
 def test_an_exercise_whose_rows_are_all_blocked_was_not_judged_and_did_not_pass():
     """A lab 3 script that no check could decide (e.g. 13 BLOCKED) earns no 'passed' and exit status 1 (review 2026-11-28, finding 9)."""
-    rows = [Row("lecture1", "exercise 1", "PASS", "correct"),
-            *(Row("lab3", f"{n} check", "BLOCKED", "undecided") for n in range(1, 14)),
-            Row("lab3", "the script on GPUs (NCCL, cuda:LOCAL_RANK)", "BLOCKED", "needs GPUs")]  # fmt: skip
+    rows = [Row.of("lecture1", "exercise 1", "PASS", "correct"),
+            *(Row.of("lab3", f"{n} check", "BLOCKED", "undecided") for n in range(1, 14)),
+            Row.of("lab3", "the script on GPUs (NCCL, cuda:LOCAL_RANK)", "BLOCKED", "needs GPUs")]  # fmt: skip
     assert grade.unjudged(rows) == ["lab3"]
     assert grade.exit_status(rows) == 1
     assert grade.report(rows, grade.Sources(), 1.0)["passed"] is False
@@ -60,7 +60,7 @@ def test_an_exercise_whose_rows_are_all_blocked_was_not_judged_and_did_not_pass(
 
 
 def test_main_prints_the_table_writes_the_same_rows_as_json_and_exits_with_their_status(tmp_path, monkeypatch, capsys):
-    failing = [*fake_rows(), Row("lab4", "5 collectives", "FAIL", "unmatched")]
+    failing = [*fake_rows(), Row.of("lab4", "5 collectives", "FAIL", "unmatched")]
     monkeypatch.setattr(grade, "grade", lambda sources, only=None: failing)
     path = tmp_path / "grade.json"
     assert grade.main(["--json", str(path)]) == 1
@@ -92,8 +92,8 @@ def test_only_picks_exercises_and_single_lectures():
 
         return run
 
-    graders = {name: grader(name, [Row(name, "c", "PASS")]) for name in grade.EXERCISES}
-    graders["lectures"] = grader("lectures", [Row("lecture1", "exercise 1", "PASS"), Row("lecture2", "exercise 1", "PASS")])
+    graders = {name: grader(name, [Row.of(name, "c", "PASS")]) for name in grade.EXERCISES}
+    graders["lectures"] = grader("lectures", [Row.of("lecture1", "exercise 1", "PASS"), Row.of("lecture2", "exercise 1", "PASS")])
     rows = grade.grade(grade.Sources(), only=["lab4", "lecture1"], graders=graders)
     assert calls == ["lectures", "lab4"] and [r.exercise for r in rows] == ["lecture1", "lab4"]
 
