@@ -30,7 +30,6 @@ import json
 import re
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ddp_course.launch import REPO_ROOT
 

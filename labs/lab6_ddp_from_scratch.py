@@ -60,7 +60,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 # The job labs 6, 8 and 9 share: model, batch, verdicts, timing (MODEL_SHAPE: the lab sheet reads it as lab6.MODEL_SHAPE).
 from ddp_course.char_lm_job import (
-    CHECK_LR, CONTEXT, EPS_PER_STEP, MODEL_SHAPE, deadline, global_batch, job_max, load_learner_module, median_ratio,
+    CHECK_LR, CONTEXT, EPS_PER_STEP, MODEL_SHAPE, deadline, global_batch, job_max, load_learner_module, median_ratio,  # noqa: F401
     my_rows, new_model, seconds_per_step,
 )
 from ddp_course.checkpoint import atomic_write_json

@@ -56,7 +56,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -411,7 +410,7 @@ def check_parts(args, ctx) -> bool:
     if args.part >= 2:  # forward only (no graph: nothing of part 3 runs), against the unsharded model
         tokens, _ = text_splits(encode_text(load_stdlib_text()))
         inputs = my_rows(global_batch(tokens, torch.Generator().manual_seed(args.seed), args, ctx)[0], ctx)
-        watch = StepWatch({"gathered": lambda: [handle.full for handle in wrapped.sharded.values()]})
+        watch = StepWatch({"gathered": lambda: [handle.full for handle in wrapped.sharded.values()]})  # noqa: F821 (called before the del below)
         with torch.no_grad(), watch.during(model, wrapped):
             logits, expected = wrapped(inputs), new_model(args, ctx)(inputs)
         tolerance = EPS_PER_STEP * torch.finfo(torch.float32).eps * float(expected.abs().max())

@@ -2,9 +2,6 @@
 every exercise states its time, and the README's core-path table says what ddp_course.budget counts."""
 
 import json
-import re
-
-import pytest
 
 from ddp_course import budget
 from ddp_course.launch import REPO_ROOT

@@ -13,7 +13,6 @@ the grader's lab 3 and lab 4 adapters; labs 6 and 8 run their solutions in their
 """
 
 import json
-import shutil
 
 import pytest
 

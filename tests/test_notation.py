@@ -2,12 +2,10 @@
 tables, once. ddp_course.notation reads the LaTeX of every lecture's and lab sheet's markdown."""
 
 import json
-import re
 
 import pytest
 
 from ddp_course import notation
-from ddp_course.launch import REPO_ROOT
 
 
 @pytest.mark.timeout(60)

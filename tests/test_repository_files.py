@@ -38,7 +38,7 @@ def test_pyproject_citation_and_readme_name_the_changelogs_latest_version():
     citation = text("CITATION.cff")
     assert re.search(rf"^version: {re.escape(version)}$", citation, re.MULTILINE)
     assert re.search(rf"^date-released: {date}$", citation, re.MULTILINE)
-    assert re.search(rf"^cff-version: 1\.2\.0$", citation, re.MULTILINE)
+    assert re.search(r"^cff-version: 1\.2\.0$", citation, re.MULTILINE)
     assert f"version {version}" in text("README.md")
 
 

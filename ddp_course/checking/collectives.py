@@ -2,7 +2,7 @@
 
 Two tools replace these functions in `torch.distributed` with wrappers: the collective recorder of the
 tests (`tests/scripts/record_collectives.py`: is every tensor on the rank's device?) and the checkers'
-observer (did every rank make the same calls?). Both take their names from here, so a collective torch
+observer (`ddp_course/checking/observer.py`: did every rank make the same calls?). Both take their names from here, so a collective torch
 adds is added once. DDP's and FSDP's own collectives run in C++ and are never seen: the tools check the
 Python code a learner or a lab writes.
 """

@@ -105,16 +105,12 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, get_wor
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 import ddp_course.data
+from ddp_course.checking import collectives
 from ddp_course.checking.rows import give_each_group_its_own_store_keys
 
 GRADIENT_STEPS = 3  # optimizer steps whose parameters and gradients are saved for the checker (LAB4_OBSERVE_STEPS)
 STALL_S = 5.0  # a peer silent this long (and not in this call) is taken to have skipped it
 POLL_S = 0.005
-COLLECTIVES = (
-    "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all", "all_to_all_single",
-    "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object", "monitored_barrier", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list",
-)  # fmt: skip
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _torch_save = torch.save  # the observer's own files; install() makes torch.save record the script's saves
 _torch_load = torch.load
@@ -684,8 +680,9 @@ def install(recorder: Recorder) -> None:
 
         return call
 
-    for op in COLLECTIVES:
-        setattr(dist, op, observed(op, getattr(dist, op)))
+    # Every rank of the group makes these together, so each call is matched across ranks; point-to-point
+    # calls are not (two ranks make them) and run as they are.
+    collectives.install(collectives.GROUP_COLLECTIVES, observed)
 
     @functools.wraps(_torch_save)
     def save(obj, f, *args, **kwargs):

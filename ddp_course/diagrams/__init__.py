@@ -22,7 +22,6 @@ import hashlib
 import importlib
 import inspect
 import json
-import sys
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent.parent.parent / "assets"

@@ -73,7 +73,6 @@ def draw(description: dict):
     from matplotlib.patches import FancyBboxPatch
 
     colours = {"head": "tab:red", "proj": "tab:orange", "hidden": "tab:green", "embed": "tab:blue"}
-    bucket_of = {name: index for index, bucket in enumerate(description["buckets"]) for name in bucket}
     lane_y = {"compute": 3.0, "hooks": 2.0, "reducer": 1.0, "comm": 0.0}
     step = 1.0  # x distance between consecutive events (schematic time)
 

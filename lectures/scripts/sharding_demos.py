@@ -255,15 +255,15 @@ def phases_in_trace(group, device, reshard_after_forward: bool = True, forward_p
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     rank = dist.get_rank(group)
 
-    def step(i):
+    def step(model, optimizer, i):
         optimizer.zero_grad()
         F.cross_entropy(model(local_batch(i, rank, device)[0]), local_batch(i, rank, device)[1]).backward()
         optimizer.step()
 
-    step(0)  # warm-up: fully_shard initialises lazily in the first step
+    step(model, optimizer, 0)  # warm-up: fully_shard initialises lazily in the first step
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("training step"):
-            step(1)
+            step(model, optimizer, 1)
     recorded = [(e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()]
     del model, optimizer
     events = sorted(event for event in recorded if event[2].startswith("FSDP::"))
