@@ -3,7 +3,7 @@
     flock /tmp/ddp_heavy.lock python benchmarks/lecture5_reference.py
 
 (a few minutes on a 2-vCPU machine; run it on an otherwise idle machine, then re-execute the lecture:
-`python -m ddp_course.notebooks lectures/05a_step_time.ipynb`.) It launches
+`python -m ddp_course.authoring.notebooks lectures/05a_step_time.ipynb`.) It launches
 lectures/scripts/perf_ddp_job.py twice under torchrun with 2 CPU ranks (gloo, one thread each):
 
 1. --parts profile,buckets,hooks on lab 5's comm_bound configuration: 5 profiled steps, lab 5's

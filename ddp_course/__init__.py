@@ -16,8 +16,6 @@ Only the boring parts live here; each lab keeps inline the DDP lines it teaches.
                  the epoch, every rank's RNG state), job-wide evaluation, rank 0's buffers, CPU weights
     resume       ResumableDistributedSampler: start an epoch at a count of samples consumed, on any
                  world size; RESTART_SAFE_ENV for torchrun restarts
-    cluster/     stand-ins for a cluster on one machine: several torchrun agents as nodes, network
-                 namespaces as hosts, a real two-node SLURM cluster, lab 3 run across them
     faults       name a torch.distributed error's kind in one deterministic line (mismatch, missing
                  rank, timeout, peer gone)
     profiling    profile DDP steps per rank (chrome traces for Perfetto), read the backward span and
@@ -26,11 +24,19 @@ Only the boring parts live here; each lab keeps inline the DDP lines it teaches.
                  import a script as a module to test its functions; free ports outside the ephemeral range
     amp          which 16-bit type autocast uses on this GPU (bf16 native, else fp16 + GradScaler)
     reporting    text tables and scaling plots for the measurement labs
-    notebooks    re-execute notebooks in place with stored outputs (python -m ddp_course.notebooks);
-                 read and run a notebook's code cells, exercises and checks from a test
-    exercises    generate an exercise file from its solution's BEGIN/END SOLUTION regions
-                 (python -m ddp_course.exercises SOLUTION EXERCISE [--check])
-    portability  re-run every notebook under other CPU numerics (python -m ddp_course.portability)
-    checking/    what judges a learner's work by running it: one Verdict type (verdict), the one list of
-                 collectives the tools wrap (collectives), many runs in one torchrun launch (rows)
+
+Then what the other audiences use (the learner's runtime is above):
+
+    lectureNN_checks, calculators, virtual_ranks, memory_peaks, sharding, timeline, links
+                 what the lecture notebooks and lab sheets call: their self-checks, calculators and the
+                 demos behind one-line calls (kept at the top: every notebook links them by these paths)
+    grade        python -m ddp_course.grade: every exercise of the learner, one table (the learner's command)
+    checking/    what judges a learner's work by running it: the lab 3, lab 4 and lab 10 checkers, the
+                 observer they launch, one Verdict type, the one list of collectives the tools wrap, and
+                 the tests' many-runs-in-one-launch runner
+    cluster/     stand-ins for a cluster on one machine: several torchrun agents as nodes, network
+                 namespaces as hosts, a real two-node SLURM cluster, lab 3 run across them
+    authoring/   the maintainers' tools: store and re-check notebooks, generate exercises, the time
+                 budget, the notation, the website
+    diagrams/    every figure in assets/, drawn from a description (python -m ddp_course.diagrams)
 """

@@ -149,7 +149,7 @@ def graded_lectures(lectures: list[tuple[str, Path, Path]], root: Path = REPO_RO
 
 
 def exercise_titles(notebook: Path) -> list[str]:
-    from ddp_course.notebooks import cells_titled
+    from ddp_course.authoring.notebooks import cells_titled
 
     return [f"exercise {title.split(':')[0].split()[-1]}" for title in cells_titled(notebook, "# Exercise ")]
 
@@ -172,7 +172,7 @@ def grade_lecture(name: str, graded: Path, solved: Path) -> list[Row]:
     """
     import nbformat
 
-    from ddp_course.notebooks import cells_titled
+    from ddp_course.authoring.notebooks import cells_titled
 
     mine = {title: source for title, (source, _) in cells_titled(graded, "# Exercise ").items()}
     namespace, rows, setup_problem = {"__name__": f"graded_{name}"}, [], None
@@ -211,7 +211,7 @@ def grade_lecture(name: str, graded: Path, solved: Path) -> list[Row]:
 
 def run_cell(source: str, namespace: dict) -> tuple[str, str | None]:
     """(what the cell printed, None or its exception as one line); a cell still running after CELL_TIMEOUT_S stops."""
-    from ddp_course.notebooks import run_source
+    from ddp_course.authoring.notebooks import run_source
 
     def expired(signum, frame):
         raise CellTimeout(f"still running after {CELL_TIMEOUT_S} s")
@@ -303,7 +303,7 @@ def lab10_rows(sources: Sources, check=None) -> list[Row]:
 
 # --- labs 6 and 8: the labs' own checks, through their command lines ----------------------------------------
 def todo_parts(path: Path, lab: int) -> set[int]:
-    """The parts whose TODO still raises in an exercise file (ddp_course.exercises writes them)."""
+    """The parts whose TODO still raises in an exercise file (ddp_course.authoring.exercises writes them)."""
     if not path.is_file():
         return set()
     return {int(part) for number, part in TODO.findall(path.read_text()) if int(number) == lab}

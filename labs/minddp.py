@@ -1,5 +1,5 @@
 # Exercise: replace each `raise NotImplementedError("TODO(...)")` below with working code, part by part.
-# Generated from solutions/minddp.py by `python -m ddp_course.exercises solutions/minddp.py labs/minddp.py`:
+# Generated from solutions/minddp.py by `python -m ddp_course.authoring.exercises solutions/minddp.py labs/minddp.py`:
 # course maintainers edit the solution and regenerate this file; a test checks that the two agree.
 """DDP written from scratch (lab 6): three gradient-synchronising wrappers and a ZeRO-1 optimizer.
 
@@ -64,7 +64,7 @@ re-broadcasts them before every forward by default.
 NCCL: every tensor a wrapper communicates lives on the parameters' device (nothing assumes the CPU).
 Written for NCCL with care but run only on gloo/CPU so far.
 
-The exercise labs/minddp.py is generated from this file (python -m ddp_course.exercises): each region
+The exercise labs/minddp.py is generated from this file (python -m ddp_course.authoring.exercises): each region
 marked BEGIN SOLUTION ... END SOLUTION becomes a raise NotImplementedError carrying the TODO comment
 that opens it. Each TODO says what must be true afterwards and leaves one design question per part open;
 after a first attempt, solutions/lab6_hints.md has step-by-step hints for every TODO.

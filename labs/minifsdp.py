@@ -1,5 +1,5 @@
 # Exercise: replace each `raise NotImplementedError("TODO(...)")` below with working code, part by part.
-# Generated from solutions/minifsdp.py by `python -m ddp_course.exercises solutions/minifsdp.py labs/minifsdp.py`:
+# Generated from solutions/minifsdp.py by `python -m ddp_course.authoring.exercises solutions/minifsdp.py labs/minifsdp.py`:
 # course maintainers edit the solution and regenerate this file; a test checks that the two agree.
 """FSDP written from scratch (lecture 7, lab 8 part 1): every rank holds 1/N of each weight matrix.
 
@@ -75,7 +75,7 @@ buffers are broadcast from rank 0 once and then left alone.
 NCCL: every collective's tensors are on the parameters' device; put the model on cuda:LOCAL_RANK first.
 Written for NCCL with care but run only on gloo/CPU so far.
 
-The exercise labs/minifsdp.py is generated from this file (python -m ddp_course.exercises): each region
+The exercise labs/minifsdp.py is generated from this file (python -m ddp_course.authoring.exercises): each region
 marked BEGIN SOLUTION ... END SOLUTION becomes a raise NotImplementedError carrying its TODO, which says
 what must hold afterwards (one design question per part). After a first attempt, solutions/lab8_hints.md
 has a nudge per part and a step-by-step recipe per TODO; `torchrun --standalone --nproc_per_node=2

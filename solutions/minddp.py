@@ -61,7 +61,7 @@ re-broadcasts them before every forward by default.
 NCCL: every tensor a wrapper communicates lives on the parameters' device (nothing assumes the CPU).
 Written for NCCL with care but run only on gloo/CPU so far.
 
-The exercise labs/minddp.py is generated from this file (python -m ddp_course.exercises): each region
+The exercise labs/minddp.py is generated from this file (python -m ddp_course.authoring.exercises): each region
 marked BEGIN SOLUTION ... END SOLUTION becomes a raise NotImplementedError carrying the TODO comment
 that opens it. Each TODO says what must be true afterwards and leaves one design question per part open;
 after a first attempt, solutions/lab6_hints.md has step-by-step hints for every TODO.

@@ -72,7 +72,7 @@ buffers are broadcast from rank 0 once and then left alone.
 NCCL: every collective's tensors are on the parameters' device; put the model on cuda:LOCAL_RANK first.
 Written for NCCL with care but run only on gloo/CPU so far.
 
-The exercise labs/minifsdp.py is generated from this file (python -m ddp_course.exercises): each region
+The exercise labs/minifsdp.py is generated from this file (python -m ddp_course.authoring.exercises): each region
 marked BEGIN SOLUTION ... END SOLUTION becomes a raise NotImplementedError carrying its TODO, which says
 what must hold afterwards (one design question per part). After a first attempt, solutions/lab8_hints.md
 has a nudge per part and a step-by-step recipe per TODO; `torchrun --standalone --nproc_per_node=2

@@ -1,7 +1,7 @@
 """Lecture 2's exercises and their solutions never drift apart, and the checks can tell them apart.
 
 solutions/02_collectives_solutions.ipynb is run by `pytest --nbval` (its checks print "correct").
-That each exercise cell of the lecture is what `python -m ddp_course.exercises --notebooks` makes of
+That each exercise cell of the lecture is what `python -m ddp_course.authoring.exercises --notebooks` makes of
 its solution cell, and that the check cells are the same in both notebooks, is tested with every
 lecture's in tests/test_exercises_in_step.py. This test proves that the set-up cells the solutions
 copy are the lecture's. It also runs the cells

@@ -1,9 +1,9 @@
 """The course's size and time: the word and cell budgets hold, every section is tagged core or deep dive,
-every exercise states its time, and the README's core-path table says what ddp_course.budget counts."""
+every exercise states its time, and the README's core-path table says what ddp_course.authoring.budget counts."""
 
 import json
 
-from ddp_course import budget
+from ddp_course.authoring import budget
 from ddp_course.launch import REPO_ROOT
 
 COUNTS = [budget.count_notebook(step, path) for step, path in budget.route()]
@@ -17,7 +17,7 @@ def test_every_budget_holds_and_every_section_is_tagged():
 def test_the_readmes_core_path_table_is_the_counters():
     readme = (REPO_ROOT / "README.md").read_text()
     for row in budget.readme_rows(COUNTS):
-        assert row in readme.splitlines(), f"README's row should read {row!r} (python -m ddp_course.budget --readme)"
+        assert row in readme.splitlines(), f"README's row should read {row!r} (python -m ddp_course.authoring.budget --readme)"
 
 
 def test_every_exercise_states_its_time_and_the_counter_adds_it(tmp_path, monkeypatch):

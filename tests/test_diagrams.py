@@ -45,7 +45,7 @@ def test_a_changed_description_is_caught(tmp_path, monkeypatch):
 def test_the_website_can_describe_the_figure_in_words(module):
     """Every figure gets alt text on the website from its committed description; a new figure without a
     describer once failed only in the website build, after the whole suite had passed."""
-    from ddp_course import website
+    from ddp_course.authoring import website
 
     alt_text = website.diagram_alt_texts(diagrams.ASSETS.parent)[f"assets/{module.NAME}.png"]
     assert len(alt_text.split()) >= 20, alt_text

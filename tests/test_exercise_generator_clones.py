@@ -1,7 +1,7 @@
 """The exercise generator names paths from the files it is given, not from where ddp_course is installed.
 
 An instructor with two clones of the course and one virtual environment has ddp_course installed
-(editable) from clone A and runs `python -m ddp_course.exercises ... --check` inside clone B. The
+(editable) from clone A and runs `python -m ddp_course.authoring.exercises ... --check` inside clone B. The
 header of a generated exercise names the solution and the exercise relative to *their* repository,
 so clone B's stored labs/minddp.py must check as up to date there (it failed before: the paths were
 taken relative to clone A and came out absolute).
@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 
-from ddp_course.exercises import repository_root
+from ddp_course.authoring.exercises import repository_root
 from ddp_course.launch import REPO_ROOT
 
 PAIRS = [("solutions/minddp.py", "labs/minddp.py")]
@@ -29,7 +29,7 @@ def second_clone(tmp_path):
 
 
 def generator(*args, cwd):
-    command = [sys.executable, "-m", "ddp_course.exercises", *map(str, args)]
+    command = [sys.executable, "-m", "ddp_course.authoring.exercises", *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=60)
 
 

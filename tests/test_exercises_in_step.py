@@ -1,7 +1,7 @@
 """Every lecture's exercises cannot drift from their solutions (CONTRIBUTING.md, "Adding an exercise").
 
 nbval runs each lecture and its solutions notebook. This module checks, for every pair, what nbval
-cannot: each exercise cell of the lecture is what `python -m ddp_course.exercises --notebooks`
+cannot: each exercise cell of the lecture is what `python -m ddp_course.authoring.exercises --notebooks`
 generates from its solution cell (every `# BEGIN SOLUTION` ... `# END SOLUTION` region replaced by the
 stub that raises); the check cells are identical in both notebooks; and the stored outputs end in
 "correct" (solutions) and "not solved yet" (lecture). Each lecture's tests/test_lectureNN_exercises.py
@@ -14,9 +14,9 @@ import re
 import pytest
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.exercises import main as exercises_main
-from ddp_course.exercises import notebook_pairs, stale_cells
-from ddp_course.notebooks import cells_titled, shared_cells
+from ddp_course.authoring.exercises import main as exercises_main
+from ddp_course.authoring.exercises import notebook_pairs, stale_cells
+from ddp_course.authoring.notebooks import cells_titled, shared_cells
 
 # Lectures with exercises (lecture 2's exercises are checked by tests/test_02_collectives_exercises.py).
 LECTURES = (

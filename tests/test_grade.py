@@ -114,7 +114,7 @@ def test_lab4_epoch_shuffle_counts_only_once_data_split_passes():
 
 def exercise_copy(tmp_path, lab_file: str, keep_todo_of: set[int], lab: int):
     """tmp_path/labs/<lab_file>: the solution, with the parts in keep_todo_of turned back into their TODOs."""
-    from ddp_course.exercises import make_exercise
+    from ddp_course.authoring.exercises import make_exercise
 
     (tmp_path / "labs").mkdir(exist_ok=True)
     target = tmp_path / "labs" / lab_file

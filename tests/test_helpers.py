@@ -485,10 +485,10 @@ def test_start_in_background_returns_at_once_and_hands_over_the_result(monkeypat
 
 @pytest.mark.parametrize("arguments", [[], ["--help"], ["missing.ipynb"], ["README.md"]])
 def test_notebook_runner_refuses_bad_input_with_usage_and_status_2(capsys, arguments):
-    from ddp_course import notebooks
+    from ddp_course.authoring import notebooks
 
     assert notebooks.main(arguments) == 2
-    assert "usage: python -m ddp_course.notebooks" in capsys.readouterr().err
+    assert "usage: python -m ddp_course.authoring.notebooks" in capsys.readouterr().err
 
 
 def test_launch_log_records_every_command_and_the_summary_counts_crashes(monkeypatch, tmp_path, capsys):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ddp_course import lecture01_checks as checks
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import cells_titled
+from ddp_course.authoring.notebooks import cells_titled
 
 LECTURE = REPO_ROOT / "lectures" / "01_data_parallelism.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "01_data_parallelism_solutions.ipynb"

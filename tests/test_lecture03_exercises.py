@@ -17,7 +17,7 @@ from torch.utils.data import DistributedSampler, Sampler
 
 from ddp_course import lecture03_checks
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import cells_titled, not_solved_verdicts, run_all_cells, run_source
+from ddp_course.authoring.notebooks import cells_titled, not_solved_verdicts, run_all_cells, run_source
 
 LECTURE = REPO_ROOT / "lectures" / "03_samplers.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "03_samplers_solutions.ipynb"

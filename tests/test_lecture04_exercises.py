@@ -12,8 +12,8 @@ from datetime import timedelta
 import pytest
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course import notebooks
-from ddp_course.notebooks import check_verdict, not_solved_verdicts, run_all_cells, run_check
+from ddp_course.authoring import notebooks
+from ddp_course.authoring.notebooks import check_verdict, not_solved_verdicts, run_all_cells, run_check
 
 LECTURE = REPO_ROOT / "lectures" / "04_ddp_internals.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "04_ddp_internals_solutions.ipynb"

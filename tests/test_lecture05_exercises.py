@@ -16,7 +16,7 @@ import nbformat
 import pytest
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import cells_titled, not_solved_verdicts, replaced, run_all_cells, run_source
+from ddp_course.authoring.notebooks import cells_titled, not_solved_verdicts, replaced, run_all_cells, run_source
 
 # {lecture: (notebook, solutions notebook, {exercise number: the function it asks for})}
 LECTURES = {

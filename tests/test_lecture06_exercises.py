@@ -11,8 +11,8 @@ import math
 import pytest
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course import notebooks
-from ddp_course.notebooks import check_verdict, not_solved_verdicts, run_all_cells
+from ddp_course.authoring import notebooks
+from ddp_course.authoring.notebooks import check_verdict, not_solved_verdicts, run_all_cells
 
 LECTURE = REPO_ROOT / "lectures" / "06_debugging_fault_tolerance.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "06_debugging_fault_tolerance_solutions.ipynb"

@@ -22,7 +22,7 @@ import torch
 
 from ddp_course import lecture07_checks as checks
 from ddp_course.launch import REPO_ROOT, run_torchrun
-from ddp_course.notebooks import cells_titled, run_source
+from ddp_course.authoring.notebooks import cells_titled, run_source
 from ddp_course.sharding import predicted_bytes_per_step
 
 NAME = "07_sharded_data_parallelism"

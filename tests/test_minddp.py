@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_course.exercises import exercise_header, find_regions, make_exercise
+from ddp_course.authoring.exercises import exercise_header, find_regions, make_exercise
 from ddp_course.launch import REPO_ROOT, import_script
 
 SOLUTION = REPO_ROOT / "solutions" / "minddp.py"
@@ -180,7 +180,7 @@ def test_committed_exercise_is_generated_from_the_solution():
     header = exercise_header("solutions/minddp.py", "labs/minddp.py")
     assert EXERCISE.read_text() == make_exercise(SOLUTION.read_text(), header), (
         "labs/minddp.py differs from what solutions/minddp.py generates: "
-        "python -m ddp_course.exercises solutions/minddp.py labs/minddp.py"
+        "python -m ddp_course.authoring.exercises solutions/minddp.py labs/minddp.py"
     )
 
 
@@ -253,7 +253,7 @@ def test_exercise_generator_rejects_broken_markers():
 
 
 def generator(*args, cwd=None):
-    command = [sys.executable, "-m", "ddp_course.exercises", *map(str, args)]
+    command = [sys.executable, "-m", "ddp_course.authoring.exercises", *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd)
 
 
@@ -266,7 +266,7 @@ def test_exercise_generator_cli_checks_and_reports_one_line(tmp_path):
     assert failed.returncode == 1 and len(failed.stderr.strip().splitlines()) == 1
     missing = generator(tmp_path / "none.py", stale)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
-    expected = f"python -m ddp_course.exercises: error: no such solution file: {tmp_path}/none.py"
+    expected = f"python -m ddp_course.authoring.exercises: error: no such solution file: {tmp_path}/none.py"
     assert missing.stderr.strip().splitlines() == [expected]
 
 

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from ddp_course.exercises import exercise_header, find_regions, make_exercise
+from ddp_course.authoring.exercises import exercise_header, find_regions, make_exercise
 from ddp_course.launch import REPO_ROOT, import_script
 
 SOLUTION = REPO_ROOT / "solutions" / "minifsdp.py"
@@ -107,9 +107,9 @@ def test_committed_exercise_is_generated_from_the_solution():
     header = exercise_header("solutions/minifsdp.py", "labs/minifsdp.py")
     assert EXERCISE.read_text() == make_exercise(SOLUTION.read_text(), header), (
         "labs/minifsdp.py differs from what solutions/minifsdp.py generates: "
-        "python -m ddp_course.exercises solutions/minifsdp.py labs/minifsdp.py"
+        "python -m ddp_course.authoring.exercises solutions/minifsdp.py labs/minifsdp.py"
     )
-    command = [sys.executable, "-m", "ddp_course.exercises", SOLUTION, EXERCISE, "--check"]
+    command = [sys.executable, "-m", "ddp_course.authoring.exercises", SOLUTION, EXERCISE, "--check"]
     assert subprocess.run(command, capture_output=True, cwd=REPO_ROOT).returncode == 0
 
 

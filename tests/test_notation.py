@@ -1,11 +1,11 @@
 """One notation (issue 31): every symbol a notebook's maths uses is defined in the README's Notation
-tables, once. ddp_course.notation reads the LaTeX of every lecture's and lab sheet's markdown."""
+tables, once. ddp_course.authoring.notation reads the LaTeX of every lecture's and lab sheet's markdown."""
 
 import json
 
 import pytest
 
-from ddp_course import notation
+from ddp_course.authoring import notation
 
 
 @pytest.mark.timeout(60)

@@ -2,7 +2,7 @@
 
 nbval never compares a cell whose stored execution_count is null, and compares nothing in a cell
 marked NBVAL_IGNORE_OUTPUT or NBVAL_SKIP; a notebook saved cleared or mostly ignored would pass
-while checking nothing. Re-execute an edited notebook with `python -m ddp_course.notebooks PATH`.
+while checking nothing. Re-execute an edited notebook with `python -m ddp_course.authoring.notebooks PATH`.
 """
 
 import json

@@ -1,4 +1,4 @@
-"""The portability check (python -m ddp_course.portability) reports cells whose output depends on the CPU,
+"""The portability check (python -m ddp_course.authoring.portability) reports cells whose output depends on the CPU,
 and stored outputs that hold the absolute paths of the machine that stored them."""
 
 import re
@@ -6,7 +6,7 @@ import re
 import nbformat
 import pytest
 
-from ddp_course import notebooks, portability
+from ddp_course.authoring import notebooks, portability
 from ddp_course.launch import REPO_ROOT
 
 JUNIT_SAMPLE = """<?xml version="1.0" encoding="utf-8"?>
@@ -124,7 +124,7 @@ def test_a_stored_absolute_path_is_one_line_naming_the_notebook_and_cell(tmp_pat
 
 def test_no_stored_output_of_the_course_holds_an_absolute_path():
     found = [line for path in portability.all_notebooks() for line in portability.stored_absolute_paths(path)]
-    assert not found, "re-store these notebooks with python -m ddp_course.notebooks:\n" + "\n".join(found)
+    assert not found, "re-store these notebooks with python -m ddp_course.authoring.notebooks:\n" + "\n".join(found)
 
 
 @pytest.mark.timeout(300)

@@ -1,5 +1,5 @@
-"""Sphinx configuration of the course's website. Build it with `python -m ddp_course.website` (not sphinx-build):
-that command first writes the course as a Sphinx source tree (ddp_course/website.py) and checks it.
+"""Sphinx configuration of the course's website. Build it with `python -m ddp_course.authoring.website` (not sphinx-build):
+that command first writes the course as a Sphinx source tree (ddp_course/authoring/website.py) and checks it.
 
 Offline by design: nothing is executed (the notebooks' stored outputs are shown), maths is rendered to
 MathML at build time (no MathJax from a CDN), and no widget JavaScript is loaded.

@@ -1,6 +1,6 @@
 """The course's Sphinx extension: route navigation, the stamp, deep-dive marks, diagram alt text, MathML.
 
-It reads _course_site.json, which `python -m ddp_course.website` writes into the source tree it stages.
+It reads _course_site.json, which `python -m ddp_course.authoring.website` writes into the source tree it stages.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ddp_course.checking.rows import captured
 from ddp_course.distributed import setup_distributed, teardown_distributed
-from ddp_course.exercises import exercise_header, make_exercise
+from ddp_course.authoring.exercises import exercise_header, make_exercise
 from ddp_course.launch import REPO_ROOT, import_script
 
 LAB8 = REPO_ROOT / "labs" / "lab8_fsdp.py"

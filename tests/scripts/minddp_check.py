@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_course.compare import max_relative_difference
 from ddp_course.distributed import setup_distributed, teardown_distributed
-from ddp_course.exercises import exercise_header, make_exercise
+from ddp_course.authoring.exercises import exercise_header, make_exercise
 from ddp_course.launch import REPO_ROOT, import_script
 
 SOLUTION = REPO_ROOT / "solutions" / "minddp.py"

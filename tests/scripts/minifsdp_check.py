@@ -30,7 +30,7 @@ from torch.func import functional_call
 
 from ddp_course.compare import max_relative_difference
 from ddp_course.distributed import setup_distributed, teardown_distributed
-from ddp_course.exercises import exercise_header, make_exercise
+from ddp_course.authoring.exercises import exercise_header, make_exercise
 from ddp_course.launch import REPO_ROOT, import_script
 from ddp_course.models import CharTransformer
 from ddp_course.sharding import at_module_boundaries, storage_bytes

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_course import budget, website
+from ddp_course.authoring import budget, website
 from ddp_course.launch import REPO_ROOT
 
 REQUIRED = os.environ.get("DDP_COURSE_REQUIRE_SITE") == "1"

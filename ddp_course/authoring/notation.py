@@ -1,6 +1,6 @@
 """One notation for the whole course: every symbol a notebook's maths uses is defined in the README.
 
-    python -m ddp_course.notation        # each symbol the notebooks use, where, and whether the README defines it
+    python -m ddp_course.authoring.notation        # each symbol the notebooks use, where, and whether the README defines it
 
 The README's "Notation" section holds the course's tables of symbols (a symbol is the first cell of a
 row, in `$...$`). This module reads the LaTeX in every notebook's markdown cells (`$...$` and

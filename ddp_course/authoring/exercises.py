@@ -13,8 +13,8 @@ at the region's indentation and puts `header` (comment lines) at the top; everyt
 unchanged, so classes, signatures and docstrings stay the same. `parts` keeps the solution code of the
 parts not listed: an exercise half done, as a learner who has finished parts 1 and 2 has it.
 
-    python -m ddp_course.exercises solutions/minddp.py labs/minddp.py          # (re)write the exercise
-    python -m ddp_course.exercises solutions/minddp.py labs/minddp.py --check  # exit 1 if it is stale
+    python -m ddp_course.authoring.exercises solutions/minddp.py labs/minddp.py          # (re)write the exercise
+    python -m ddp_course.authoring.exercises solutions/minddp.py labs/minddp.py --check  # exit 1 if it is stale
 
 Notebooks use the same markers. In a solutions notebook (`solutions/NAME_solutions.ipynb`) an exercise
 is a code cell that starts with `# Exercise N: title`, its marked regions need no TODO line, and its
@@ -24,10 +24,10 @@ same two cells, the exercise with every region replaced by one stub:
         # YOUR CODE HERE (solution: solutions/NAME_solutions.ipynb)
         raise NotImplementedError("exercise N")
 
-    python -m ddp_course.exercises --notebooks          # rewrite every lecture's exercise and check cells
-    python -m ddp_course.exercises --notebooks --check  # exit 1, naming the cells, if any is stale
+    python -m ddp_course.authoring.exercises --notebooks          # rewrite every lecture's exercise and check cells
+    python -m ddp_course.authoring.exercises --notebooks --check  # exit 1, naming the cells, if any is stale
 
-Only the cells' sources are written: re-execute the lecture afterwards (python -m ddp_course.notebooks)
+Only the cells' sources are written: re-execute the lecture afterwards (python -m ddp_course.authoring.notebooks)
 so that its stored outputs are the new cells'.
 """
 
@@ -132,7 +132,7 @@ def exercise_header(solution_path: str, exercise_path: str) -> str:
     """The comment a generated exercise starts with: what to do, and where it comes from."""
     return (
         "Exercise: replace each `raise NotImplementedError(\"TODO(...)\")` below with working code, part by part.\n"
-        f"Generated from {solution_path} by `python -m ddp_course.exercises {solution_path} {exercise_path}`:\n"
+        f"Generated from {solution_path} by `python -m ddp_course.authoring.exercises {solution_path} {exercise_path}`:\n"
         "course maintainers edit the solution and regenerate this file; a test checks that the two agree."
     )
 
@@ -244,12 +244,12 @@ def sync_notebooks(root: Path, check: bool) -> int:
         rewritten = write_lecture_cells(lecture, solutions, shown)
         if rewritten:
             lecture_path.write_text(json.dumps(lecture, indent=1, ensure_ascii=False, sort_keys=True) + "\n")
-            print(f"wrote {len(rewritten)} cells of {lecture_path.relative_to(root)}: re-execute it (python -m ddp_course.notebooks)")
+            print(f"wrote {len(rewritten)} cells of {lecture_path.relative_to(root)}: re-execute it (python -m ddp_course.authoring.notebooks)")
     return status
 
 
 def main(argv=None) -> int:
-    parser = CourseArgumentParser(prog="python -m ddp_course.exercises", description=__doc__.split("\n\n")[0])
+    parser = CourseArgumentParser(prog="python -m ddp_course.authoring.exercises", description=__doc__.split("\n\n")[0])
     parser.add_argument("solution", type=Path, nargs="?", help="solution file with BEGIN/END SOLUTION regions")
     parser.add_argument("exercise", type=Path, nargs="?", help="exercise file to write")
     parser.add_argument("--notebooks", action="store_true", help="every lecture's exercise cells from its solutions notebook")

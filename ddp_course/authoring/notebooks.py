@@ -1,6 +1,6 @@
 """Re-execute notebooks in place and store their outputs, the way `pytest --nbval` will re-run them.
 
-    python -m ddp_course.notebooks lectures/01_data_parallelism.ipynb [more.ipynb ...]
+    python -m ddp_course.authoring.notebooks lectures/01_data_parallelism.ipynb [more.ipynb ...]
 
 nbval compares every cell's fresh output with the stored one, and skips cells that were never
 executed, so a notebook must be saved executed. This runs each notebook top to bottom in its own
@@ -167,7 +167,7 @@ def not_solved_verdicts(functions: dict[int, str]) -> dict[int, str]:
 
 
 def main(paths: list[str]) -> int:
-    usage = "usage: python -m ddp_course.notebooks NOTEBOOK.ipynb [NOTEBOOK.ipynb ...]"
+    usage = "usage: python -m ddp_course.authoring.notebooks NOTEBOOK.ipynb [NOTEBOOK.ipynb ...]"
     if not paths or any(path.startswith("-") for path in paths):
         print(usage, file=sys.stderr)
         return 2

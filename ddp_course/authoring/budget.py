@@ -1,7 +1,7 @@
 """How long the course takes: reading, running and the exercises, per notebook, for the core path and the route.
 
-    python -m ddp_course.budget            # the table, then one line per budget: ok or OVER; exit 1 if any is over
-    python -m ddp_course.budget --readme   # the README's two rows (core path, whole route), to paste
+    python -m ddp_course.authoring.budget            # the table, then one line per budget: ok or OVER; exit 1 if any is over
+    python -m ddp_course.authoring.budget --readme   # the README's two rows (core path, whole route), to paste
 
 The route is the README's syllabus table (tests/test_route.py checks that every notebook agrees with
 it). Every `## ` section heading of a route notebook ends with a tag, `[core]` or `[deep dive]`

@@ -1,7 +1,7 @@
 """Build the course as a static website, from the notebooks' stored outputs (nothing is executed).
 
     pip install -r requirements-site.txt                  # the site's tools: not part of a learner's set-up
-    python -m ddp_course.website                          # -> build/site/index.html
+    python -m ddp_course.authoring.website                          # -> build/site/index.html
     python -m http.server --directory build/site 8000     # then open http://localhost:8000
 
 The landing page is the README (its syllabus is the route); the navigation lists the 17 route steps in
@@ -36,7 +36,7 @@ from importlib import metadata
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from ddp_course import budget
+from ddp_course.authoring import budget
 from ddp_course.launch import REPO_ROOT
 
 WEBSITE_DIR = REPO_ROOT / "website"  # conf.py, the Sphinx extension, CSS/JS, figure_alt.json
@@ -177,10 +177,10 @@ def stored_output_problems(path: str, notebook: dict) -> list[str]:
         where = f"{path}: code cell {index} (id {cell.get('id', '?')})"
         if cell.get("execution_count") is None:
             problems.append(f"{where} has no stored outputs (never executed or cleared): "
-                            f"run `python -m ddp_course.notebooks {path}`")  # fmt: skip
+                            f"run `python -m ddp_course.authoring.notebooks {path}`")  # fmt: skip
         elif not cell.get("outputs") and unconditional_output_calls(source):
             problems.append(f"{where} shows {unconditional_output_calls(source)[0]!r} but stores no output: "
-                            f"run `python -m ddp_course.notebooks {path}`")  # fmt: skip
+                            f"run `python -m ddp_course.authoring.notebooks {path}`")  # fmt: skip
     return problems
 
 
@@ -620,7 +620,7 @@ def diagram_alt_texts(root: Path) -> dict[str, str]:
         record = json.loads(record_path.read_text())
         describer = DIAGRAM_DESCRIBERS.get(record_path.stem)
         if describer is None:
-            problems.append(f"assets/{record_path.name}: no alt-text describer in ddp_course/website.py (DIAGRAM_DESCRIBERS)")
+            problems.append(f"assets/{record_path.name}: no alt-text describer in ddp_course/authoring/website.py (DIAGRAM_DESCRIBERS)")
             continue
         texts[f"assets/{record_path.stem}.png"] = f"{record['title']}. {describer(record['description'])}"
     if problems:

@@ -1,7 +1,7 @@
 """Re-run every notebook under nbval with other CPU numerics and report each cell whose output changed.
 
-    python -m ddp_course.portability                    # all notebooks, scalar kernels and one thread
-    python -m ddp_course.portability --variant avx2 --variant one-thread lectures/01_data_parallelism.ipynb
+    python -m ddp_course.authoring.portability                    # all notebooks, scalar kernels and one thread
+    python -m ddp_course.authoring.portability --variant avx2 --variant one-thread lectures/01_data_parallelism.ipynb
 
 Why: nbval compares each cell's fresh output with the one stored on the machine that executed the
 notebook. Learners run other CPUs (Intel and AMD with AVX2 or AVX-512, Apple and other ARM chips),
@@ -16,7 +16,7 @@ A notebook that passes nbval under these as well as normally states facts, not t
 
 First, without running anything, it reads every stored output for absolute paths: a path of the machine
 that stored the notebook (/work/..., /home/NAME/...) is not the learner's, and shows them another
-machine's folders. Re-storing with `python -m ddp_course.notebooks` masks them.
+machine's folders. Re-storing with `python -m ddp_course.authoring.notebooks` masks them.
 Exit status 0 when every variant passes and no stored output holds an absolute path, 1 otherwise,
 2 on a bad argument.
 """
@@ -35,7 +35,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 from ddp_course.launch import REPO_ROOT
-from ddp_course.notebooks import ABSOLUTE_PATH, TEMPORARY_PATH, output_texts
+from ddp_course.authoring.notebooks import ABSOLUTE_PATH, TEMPORARY_PATH, output_texts
 
 NOTEBOOK_FOLDERS = ("lectures", "labs", "solutions")
 
@@ -116,7 +116,7 @@ def run_variant(name: str, notebooks: list[Path], timeout_s: float) -> tuple[lis
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ddp_course.portability", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ddp_course.authoring.portability", description=__doc__.split("\n\n")[0])
     parser.add_argument("notebooks", nargs="*", help="notebooks to check (default: every notebook in the course)")
     parser.add_argument(
         "--variant", action="append", choices=VARIANTS,
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         any_changed |= bool(changed)
     if stored_paths:
         print("NOT portable: the stored outputs above hold another machine's folders "
-              "(re-store those notebooks with python -m ddp_course.notebooks)")  # fmt: skip
+              "(re-store those notebooks with python -m ddp_course.authoring.notebooks)")  # fmt: skip
     if any_changed:
         print("NOT portable: the cells above print something that depends on the CPU's rounding")
     if not stored_paths and not any_changed:
