@@ -283,6 +283,9 @@ LAB_RUNS = (
            ("--max-steps", "20", "--checkpoint-dir", "{out}/checkpoints", "--crash-at-step", "15", "--crash-rank", "0",
             "--metrics-json", "{out}/lab7.json"), lab7_restart_figure,
            torchrun_args=("--max-restarts=1",), env=tuple(RESTART_SAFE_ENV.items())),
+    # Lab 10's fixed script on NCCL (the sheet's GPU track, section 6): one epoch's steps, then its accuracy.
+    LabRun("lab10_solution", "solutions/lab10_slow_ddp.py", ("--max-steps", "10", "--metrics-json", "{out}/lab10.json"),
+           accuracy_figure("lab10.json")),
     LabRun("lecture4_demos", "lectures/scripts/ddp_internals_demos.py", ("--json", "{out}/report.json", "--trace-dir", "{out}/traces"),
            lecture4_figure, gloo_by_design=True),
     LabRun("lecture5_perf_job", "lectures/scripts/perf_ddp_job.py",

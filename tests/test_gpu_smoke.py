@@ -47,6 +47,7 @@ SAMPLES = {
         "ddp": {"counted_vs_predicted": 1.0, "measured_minus_predicted_in_w": 0.25},
         "fully_shard": {"counted_vs_predicted": 0.982, "measured_minus_predicted_in_w": 0.5}}}, "clip": {"passed": True}},
         "2 parts passed (memory, clip); counted peak / formula, torch.cuda peak - formula: ddp 1.00 / +0.25 W, fully_shard 0.98 / +0.50 W"),
+    "lab10_solution": ("lab10.json", {"world_size": 2, "steps": 10, "eval_accuracy": 0.6211699164345403}, "held-out accuracy 62.1%"),
     "lab7": ("lab7.json", {"attempt": 0, "backend": "nccl", "eval_accuracy": 0.7827298050139275, "steps": 20}, "held-out accuracy 78.3%"),
     "lab7_hangs_join": ("hangs.json", {"scenario": "uneven-join", "status": 0, "line": (
         "finished: steps per rank [2, 3]; identical weights on every rank: True; "
