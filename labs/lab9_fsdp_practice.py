@@ -46,7 +46,6 @@ them.
 import argparse
 import gc
 import sys
-import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -62,7 +61,9 @@ from ddp_course.cli import CourseArgumentParser, CourseError, positive_float
 from ddp_course.data import encode_text, load_stdlib_text, sample_windows, text_splits
 from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
 from ddp_course.launch import import_script
-from ddp_course.sharding import StepWatch, bytes_written, count_collectives, optimizer_state_tensors, storage_bytes
+from ddp_course.sharding import (
+    SavedActivations, StepWatch, allocations, bytes_written, count_collectives, optimizer_state_tensors, storage_bytes,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Lab 8's implementations, model, batches and accounting, used as they are; lab 6's through it.
@@ -90,29 +91,6 @@ SMALLEST_GLOBAL_BATCH = 8
 CLIP_STEPS, MAX_NORM = 3, 0.5  # the gradient's norm is about 4.8 at the first step: clipping acts at every step
 HSDP_STEPS = 2
 RESUME_AT, RESUME_STEPS = 2, 4
-
-
-class SavedActivations:
-    """A context manager: every tensor autograd saves for backward while it is active is remembered (weakly);
-    alive() lists those not yet freed. Autograd frees them as backward consumes them."""
-
-    def __init__(self):
-        self.saved: list[weakref.ref] = []
-
-    def pack(self, tensor):
-        self.saved.append(weakref.ref(tensor))
-        return tensor  # saved as it is: this only watches
-
-    def alive(self) -> list[torch.Tensor]:
-        return [tensor for tensor in (ref() for ref in self.saved) if tensor is not None]
-
-    def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.hooks.__exit__(*exc)
 
 
 def windows_per_step(world_size: int) -> int:
@@ -184,7 +162,7 @@ def memory_timeline(impl: str, args, ctx, modules, tokens) -> dict:
 class SampledAlongside(StepWatch):
     """A StepWatch that also has an Allocations note the allocator's bytes at each of its samples."""
 
-    def __init__(self, allocator: "Allocations", sources: dict):
+    def __init__(self, allocator, sources: dict):  # allocator: a ddp_course.sharding.Allocations
         super().__init__(sources)
         self.allocator = allocator
 
@@ -298,114 +276,6 @@ def judge_peaks(impl: str, timeline: dict, labels: list[str], sizes: dict, world
 
 
 # --- a model no rank builds whole ------------------------------------------------------------------------
-
-
-class Allocations:
-    """What allocations() yields. Inside its block, `with found.measured():` marks the part to weigh (at most
-    once; the whole block if never), and found.sample() notes the bytes allocated at that moment. After the
-    block, found.peak is the most bytes the device's allocator had handed out at once during the marked
-    part, and found.at_samples the bytes at each sample(), both net of when the block began: allocated
-    then less allocated at its start. So what the block built before the marked part (a model, its
-    optimizer's state) counts, what existed before does not - and a free of memory that existed before
-    lowers the figure (the checkpoint part's zero_grad frees the previous step's gradients: both its
-    peaks are net of them, which leaves the comparison between its two settings fair).
-    CPU: torch.profiler's memory events, each carrying the allocator's running total (every thread's, gloo's
-    workers included: see track_every_thread). CUDA (written with care, NOT RUN on a GPU): torch.cuda's
-    max_memory_allocated and memory_allocated, less memory_allocated when the block began."""
-
-    MARK, SAMPLE = "lab9: the measured part", "lab9: sample"
-
-    def __init__(self, device: torch.device):
-        self.device, self.peak, self.marked = device, None, False
-        self.before = 0  # CUDA: memory_allocated when the block began
-        self.at_samples: list[int] = []  # the bytes allocated at each sample() (filled after the block on CPU)
-
-    @contextmanager
-    def measured(self):
-        self.marked = True
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)  # the peak restarts from what is allocated now
-            yield
-            torch.cuda.synchronize(self.device)  # kernels still running may allocate: wait before reading
-            self.cuda_peak = torch.cuda.max_memory_allocated(self.device)
-            return
-        from torch.profiler import record_function
-
-        with record_function(self.MARK):
-            yield
-
-    def sample(self) -> None:
-        if self.device.type == "cuda":
-            self.at_samples.append(torch.cuda.memory_allocated(self.device) - self.before)
-            return
-        from torch.profiler import record_function
-
-        with record_function(self.SAMPLE):  # an empty span: its start time places the sample among the events
-            pass
-
-
-def track_every_thread() -> None:
-    """Make the CPU allocator keep its running total over every thread. Its profiler events carry that total
-    (total_allocated), but it counts an allocation or a free only on a thread that is profiling, unless the
-    c10 flag caffe2_report_cpu_memory_usage is set (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter).
-    Without it, a buffer that gloo's worker thread frees stays counted, and one it allocates is not seen.
-    Set once and left on (a lock and a table entry per allocation: slower, not different), so that every
-    block's frees are matched. torch has no Python setter for it: the flag is a global of libc10."""
-    import ctypes
-
-    libraries = [path for name in ("libc10.so", "libc10.dylib") if (path := Path(torch.__file__).parent / "lib" / name).exists()]
-    try:
-        ctypes.c_bool.in_dll(ctypes.CDLL(str(libraries[0])), "FLAGS_caffe2_report_cpu_memory_usage").value = True
-    except (IndexError, OSError, ValueError) as error:  # no such library or flag: the figures would miss other threads
-        raise CourseError(f"cannot make the CPU allocator count every thread ({error}); leave out the memory, meta and checkpoint parts (--parts)") from None
-
-
-@contextmanager
-def allocations(device: torch.device):
-    """Yields an Allocations; its figures are set when the block ends (see Allocations)."""
-    found = Allocations(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        found.before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        yield found
-        torch.cuda.synchronize(device)
-        found.peak = (found.cuda_peak if found.marked else torch.cuda.max_memory_allocated(device)) - found.before
-        return
-    from torch.profiler import ProfilerActivity, profile
-
-    track_every_thread()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        anchor = torch.empty(1)  # its event's running total, less its size, is what was allocated before the block
-        yield found
-    results = prof.profiler.kineto_results
-    spans = {name: sorted(e.start_ns() for e in results.events() if e.name() == name) for name in (Allocations.MARK, Allocations.SAMPLE)}
-    marked = [e for e in results.events() if e.name() == Allocations.MARK]
-    window = (marked[0].start_ns(), marked[0].end_ns()) if marked else (0, float("inf"))
-    fields = [(event.start_time_ns, event.extra_fields) for event in allocation_events(results)]
-    totals = sorted((when, field.ptr, field.total_allocated) for when, field in fields)
-    before = next(total for _, ptr, total in totals if ptr == anchor.data_ptr()) - anchor.untyped_storage().nbytes()
-    samples, running, peak = spans[Allocations.SAMPLE], 0, 0
-    for when, _, total in totals:
-        while samples and samples[0] < when:  # a sample sees the total of the last event before it
-            found.at_samples.append(running)
-            samples.pop(0)
-        running = total - before
-        if window[0] <= when <= window[1]:
-            peak = max(peak, running)
-    found.at_samples += [running] * len(samples)
-    found.peak = peak
-
-
-def allocation_events(results):
-    """Every allocation and free event of a profile (torch.profiler's event tree, depth first)."""
-    pending = list(results.experimental_event_tree())
-    while pending:
-        event = pending.pop()
-        pending += event.children
-        if event.tag == torch._C._profiler._EventType.Allocation:
-            yield event
 
 
 def world_mesh(ctx, group=None):

@@ -16,6 +16,8 @@ import math
 
 import pytest
 
+from ddp_course import sharding
+from ddp_course.cli import CourseError
 from ddp_course.launch import REPO_ROOT, import_script
 
 LAB9 = REPO_ROOT / "labs" / "lab9_fsdp_practice.py"
@@ -324,5 +326,5 @@ def test_an_allocator_that_cannot_count_every_thread_is_refused_in_one_line(lab9
         raise OSError("no such library")
 
     monkeypatch.setattr(ctypes, "CDLL", no_library)
-    with pytest.raises(lab9.CourseError, match=r"cannot make the CPU allocator count every thread .* leave out the memory, meta and checkpoint"):
-        lab9.track_every_thread()
+    with pytest.raises(CourseError, match=r"cannot make the CPU allocator count every thread .* leave out the memory, meta and checkpoint"):
+        sharding.track_every_thread()
