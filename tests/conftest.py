@@ -219,3 +219,23 @@ def no_refused_start_was_swallowed(unit_runs_start_no_process):
     yield
     if len(REFUSED_STARTS) > before:
         pytest.fail(f"{UNIT_ONLY_REASON}: {REFUSED_STARTS[before:]}", pytrace=False)
+
+
+# ---- Where the suite's time goes: seconds per test file (setup, call and teardown of its items).
+# The suite has a budget (README, "Tests": at most 90 runs of the main job); the 15 slowest items do
+# not say which file to make cheaper when a module-scoped fixture launches jobs that many tests share.
+_SECONDS_PER_FILE: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _SECONDS_PER_FILE[path] = _SECONDS_PER_FILE.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if len(_SECONDS_PER_FILE) < 2:
+        return
+    slowest = sorted(_SECONDS_PER_FILE.items(), key=lambda item: item[1], reverse=True)[:15]
+    terminalreporter.write_sep("=", "seconds per test file (the 15 slowest)")
+    for path, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
