@@ -4,11 +4,12 @@ The proof the checker needs: the solution passes every check; each planted fault
 solution, fails its own check and no other; the unfixed script fails every check it can decide; and a
 slowdown no signature explains (the same extra work on every rank) fails the throughput check.
 
-All of it comes from few launches, started together by one fixture (ddp_course/checking/lab10.py
-runs the same code for a learner's script): one 2-rank launch runs the reference and every variant
-but the unfixed script, alternately, then the solution's time-out case; a second runs the time-out
-fault's time-out case (it fails, so it ends its launch); a third the unfixed script; beside them the
-one-process reference. The time-out case (an 8 s save) is run for the solution and the two scripts
+All of it comes from few launches, started by one fixture (ddp_course/checking/lab10.py runs the
+same code for a learner's script): one 2-rank launch runs the reference and every variant but the
+unfixed script, alternately, then the full trainings and the solution's time-out case. Once its
+timed runs are over (nothing else shares the cores while they are timed), the rest start beside its
+untimed tail: a second launch runs the time-out fault's time-out case (it fails, so it ends its
+launch), a third the unfixed script, and the one-process reference. The time-out case (an 8 s save) is run for the solution and the two scripts
 that break it; the other variants share the solution's save code unchanged
 (test_the_other_faults_leave_the_save_path_alone), so their check 9 is not run here.
 """
@@ -48,8 +49,12 @@ def verdicts(tmp_path_factory):
     timeout_fault = [checker.timeout_case(folder, "timeout", scripts["timeout"])]
     unfixed = checker.plan_runs(folder, {"unfixed": faults.BROKEN}, full_of=["unfixed"], timeout_of=["unfixed"])
     with ThreadPoolExecutor(max_workers=4) as pool:
+        timed = pool.submit(checker.launch, shared, folder, LAUNCH_TIMEOUT_S)
+        # Nothing else runs beside the timed runs (the speed ratios compare runs timed minutes apart on
+        # shared cores: an extra-work control once passed throughput with the other launches beside it).
+        checker.wait_until_the_timed_runs_end(shared, timed)
         baseline = pool.submit(checker.one_process_accuracy, folder, LAUNCH_TIMEOUT_S)
-        launches = [pool.submit(checker.launch, runs, folder, LAUNCH_TIMEOUT_S) for runs in (shared, timeout_fault, unfixed)]
+        launches = [timed] + [pool.submit(checker.launch, runs, folder, LAUNCH_TIMEOUT_S) for runs in (timeout_fault, unfixed)]
         results = [launch.result() for launch in launches]
         one_process = baseline.result()
     assert one_process is not None, "the one-process reference did not finish"
