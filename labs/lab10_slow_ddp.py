@@ -13,7 +13,7 @@ what one process reached. What it is meant to do:
   while its --timeout-s stays short enough to catch a real hang in seconds.
 
 It has eight faults of the kind that cost teams GPU-weeks. Measure before you change anything (the
-lab sheet, labs/lab10_no_faster.md: the timeline of ddp_course.timeline, lab 5's communication
+lab sheet, labs/lab10_no_faster.ipynb: the timeline of ddp_course.timeline, lab 5's communication
 fraction), fix them in a copy, and check your copy:
 
     cp labs/lab10_slow_ddp.py my_lab10.py

@@ -1,7 +1,7 @@
 """Lab 10, fixed: the training script of labs/lab10_slow_ddp.py with its eight faults removed.
 
 Each fix carries a comment "fix N" that says what was wrong and why the new line is right; the lab
-sheet (labs/lab10_no_faster.md) shows how each one was found from measurements first.
+sheet (labs/lab10_no_faster.ipynb) shows how each one was found from measurements first.
 
     laptop, 2 CPU processes (gloo):  torchrun --standalone --nproc_per_node=2 solutions/lab10_slow_ddp.py
     one process, no torchrun:         python solutions/lab10_slow_ddp.py --accum-steps 1

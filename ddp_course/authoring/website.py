@@ -4,7 +4,7 @@
     python -m ddp_course.authoring.website                          # -> build/site/index.html
     python -m http.server --directory build/site 8000     # then open http://localhost:8000
 
-The landing page is the README (its syllabus is the route); the navigation lists the 17 route steps in
+The landing page is the README (its syllabus is the route); the navigation lists the 18 route steps in
 order, then the optional notebook, the lab scripts and checklists as source pages, and the solutions.
 Every page carries a stamp: the torch version and the commit its outputs were checked with.
 

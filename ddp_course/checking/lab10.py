@@ -62,15 +62,15 @@ MIN_SPEED_RATIO = 0.4
 MAX_ACCURACY_DROP = 0.10  # held-out accuracy below one process's: fixed 0.02-0.05 (seeds 0-2), lr unscaled 0.2-0.3
 
 CHECKS = {
-    1: ("threads", "threads per rank x ranks per machine must not exceed its cores, or the ranks' threads fight for them: torchrun's OMP_NUM_THREADS=1 (lab 5 sheet, section 6; labs/lab10_no_faster.md, part 2)"),
-    2: ("data-wait", "the step waits for its batch: make the input pipeline cheaper (a whole-batch tensor operation, or work done once) or overlap it (DataLoader workers, where cores are free) (labs/lab10_no_faster.md, part 2)"),
+    1: ("threads", "threads per rank x ranks per machine must not exceed its cores, or the ranks' threads fight for them: torchrun's OMP_NUM_THREADS=1 (lab 5 sheet, section 6; lab 10, section 2)"),
+    2: ("data-wait", "the step waits for its batch: make the input pipeline cheaper (a whole-batch tensor operation, or work done once) or overlap it (DataLoader workers, where cores are free) (lab 10, section 2)"),
     3: ("syncs-per-step", "under gradient accumulation only the last micro-batch should all-reduce: DDP's no_sync() for the others (lecture 5a, section 8)"),
     4: ("buckets", "each all-reduce pays a fixed latency: DDP's default buckets (25 MiB, 1 MiB first) send a small model's gradients in one or two (lecture 4, section 2.3; lecture 5a, section 8)"),
     5: ("unused-search", "find_unused_parameters=True walks the autograd graph after every forward; it is for models that really leave parameters unused (lecture 4, section 2.4)"),
-    6: ("rank-balance", "every step ends in an all-reduce, so the job runs at the pace of its slowest rank: work that one rank does alone every step makes the others wait (labs/lab10_no_faster.md, part 2; lecture 5a, section 1)"),
-    7: ("throughput", "compare your timeline with the reference's (labs/lab10_no_faster.md, part 2): which share of the step is larger?"),
-    8: ("accuracy", "a global batch k times bigger takes k times fewer steps: scale the learning rate with it, and warm it up (lab 5 sheet, assessment question 3; labs/lab10_no_faster.md, part 3)"),
-    9: ("time-out", "a save slower than the process group's timeout kills a healthy job; give that phase its own group with a longer timeout (dist.new_group(timeout=...)) or spread the work, and keep the default timeout short so that real hangs still surface (lecture 6, section 1; labs/lab10_no_faster.md, part 4)"),
+    6: ("rank-balance", "every step ends in an all-reduce, so the job runs at the pace of its slowest rank: work that one rank does alone every step makes the others wait (lab 10, section 2; lecture 5a, section 1)"),
+    7: ("throughput", "compare your timeline with the reference's (lab 10, section 2): which share of the step is larger?"),
+    8: ("accuracy", "a global batch k times bigger takes k times fewer steps: scale the learning rate with it, and warm it up (lab 5 sheet, assessment question 3; lab 10, section 3)"),
+    9: ("time-out", "a save slower than the process group's timeout kills a healthy job; give that phase its own group with a longer timeout (dist.new_group(timeout=...)) or spread the work, and keep the default timeout short so that real hangs still surface (lecture 6, section 1; lab 10, section 4)"),
 }  # fmt: skip
 SIGNATURES = range(1, 7)
 GLOO_SOURCE = re.compile(r"\[[^\]]*\]\s*")  # "[/path/to/gloo/unbound_buffer.cc:129] " in gloo's errors  # the checks about one cause of slowness each

@@ -55,7 +55,7 @@ def html_of(site: Path, notebook: str) -> str:
 
 
 def test_one_page_per_route_notebook_with_its_title(site):
-    assert len(ROUTE) == 17
+    assert len(ROUTE) == 18
     for name, path in ROUTE:
         page = html_of(site, path)
         title = website.notebook_title(website.read_course(), path)
