@@ -75,12 +75,23 @@ def test_the_counter_splits_core_from_deep_dive_and_finds_untagged_sections(tmp_
     (tmp_path / "nb.ipynb").write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
     monkeypatch.setattr(budget, "REPO_ROOT", tmp_path)
     count = budget.count_notebook("lab 0", "nb.ipynb")
-    # words: "Title Intro words count as core" 6; "1 Setup Two words" 4; "2 Proof Three more words" 5; "Summary all-reduce don't" 3
-    assert (count.words, count.core_words, count.deep_words) == (18, 13, 5)
+    # words, tags included (a reader sees them): "Title Intro words count as core" 6; "1 Setup core Two words" 5;
+    # "2 Proof deep dive Three more words" 7; "Summary all-reduce don't" 3
+    assert (count.words, count.core_words, count.deep_words) == (21, 14, 7)
     assert (count.code_cells, count.core_code_cells) == (2, 1)
     assert count.untagged == ["Summary"]
     lines = budget.budget_lines([count])
     assert (False, "nb.ipynb: sections without [core] or [deep dive]: ['Summary']") in lines
+
+
+def test_the_counter_counts_every_markdown_word_a_reader_sees_tags_included():
+    """The route's total is every word of every markdown cell, the `[core]` and `[deep dive]` tags too: the
+    same number an outside check gets by counting the notebooks' markdown with the counter's WORD pattern."""
+    every_word = 0
+    for _, path in budget.route():
+        cells = json.loads((REPO_ROOT / path).read_text())["cells"]
+        every_word += sum(len(budget.WORD.findall("".join(cell["source"]))) for cell in cells if cell["cell_type"] == "markdown")
+    assert sum(count.words for count in COUNTS) == every_word
 
 
 def test_the_route_is_the_readmes_table():

@@ -7,7 +7,8 @@ The route is the README's syllabus table (tests/test_route.py checks that every 
 it). Every `## ` section heading of a route notebook ends with a tag, `[core]` or `[deep dive]`
 (the README's "Core path" explains the convention): a learner with a week reads the core sections and
 comes back for the rest. The words before a notebook's first `## ` heading (its title, the Before
-line, the introduction) are core; a `### ` subsection belongs to its section.
+line, the introduction) are core; a `### ` subsection belongs to its section. A heading's tag is
+counted with its words (a reader sees it): `[core]` is one word, `[deep dive]` two.
 
 Time is counted the way a careful first-time reader spends it (the rates a learner measured on
 himself while working through the core path):
@@ -176,12 +177,11 @@ def count_notebook(step: str, path: str) -> NotebookCount:
         # A cell may hold a section's last paragraph and the next heading: split it at each heading.
         pieces = SECTION_HEADING.split(source)  # [text, heading, text, heading, text, ...]
         for position, piece in enumerate(pieces):
-            if position % 2 == 1:  # a heading: its words belong to the section it opens (the tag not counted)
+            if position % 2 == 1:  # a heading: its words, tag included, belong to the section it opens
                 tag = section_tag(piece)
                 if tag is None:
                     count.untagged.append(piece.strip())
                 current = tag or "core"
-                piece = piece.rstrip().removesuffix("[core]").removesuffix("[deep dive]")
             part().words += len(WORD.findall(piece))
             part().predictions += len(PREDICTION.findall(piece))
             part().stated_minutes += stated_minutes(piece)
