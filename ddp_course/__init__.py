@@ -24,6 +24,7 @@ Only the boring parts live here; each lab keeps inline the DDP lines it teaches.
                  import a script as a module to test its functions; free ports outside the ephemeral range
     amp          which 16-bit type autocast uses on this GPU (bf16 native, else fp16 + GradScaler)
     reporting    text tables and scaling plots for the measurement labs
+    self_check   a core notebook's closing question, answered in the notebook, with one line of feedback
 
 Then what the other audiences use (the learner's runtime is above):
 
