@@ -16,8 +16,8 @@ himself while working through the core path):
 - reading: 120 words a minute of prose with formulas beside it, 0.75 min to run each code cell and
   glance at it, 1 min per 25 lines of code in view and 1 min per 30 lines of stored text output;
 - exercises: the time each exercise and hands-on step states in its notebook, written
-  `(about N min)` or `(about N h)` in its heading or instruction (every `Exercise` and `Check your
-  understanding` heading must state one), plus 1 min for each **Predict** prompt (stop, think, guess);
+  `(about N min)` or `(about N h)` in its heading or instruction (every `Exercise`, `Check your
+  understanding` and `Self-check` heading must state one), plus 1 min for each **Predict** prompt (stop, think, guess);
 - set-up: one hour, once (install, the quick start, starting JupyterLab).
 
 Words are counted in markdown cells only, as runs of letters and digits joined by hyphens or
@@ -49,7 +49,7 @@ SETUP_HOURS = 1.0
 STATED_TIME = re.compile(r"\(about (\d+(?:\.\d+)?) (min|h)\b[^)]*\)")  # "(about 2 h)", "(about 90 min, ...)"
 PREDICTION = re.compile(r"\*\*?Predict")
 # Headings of work a learner does, which must say how long it takes.
-EXERCISE_HEADING = re.compile(r"^#{2,4} .*(Exercise \d|Check your understanding|conversion exercise)", flags=re.MULTILINE)
+EXERCISE_HEADING = re.compile(r"^#{2,4} .*(Exercise \d|Check your understanding|Self-check|conversion exercise)", flags=re.MULTILINE)
 
 # Budgets. Words and cells: issue 31. Time: issue 38 (a week of evenings, exercises included).
 ROUTE_WORDS = 35_000
