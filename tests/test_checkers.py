@@ -684,7 +684,9 @@ def test_bad_command_lines_fail_with_one_clear_line(script, args, expected, monk
 
 def test_the_default_script_says_how_to_start(convert_checker, monkeypatch, capsys):
     """Without an argument the checker checks labs/my_ddp.py; when it is missing, it says how to make it."""
-    monkeypatch.setattr(convert_checker, "REPO_ROOT", CONVERT_CHECKER.parent / "no_checkout_here")  # as if labs/my_ddp.py were missing
+    from ddp_course.checking import front_end  # where a checker finds a relative script from any folder
+
+    monkeypatch.setattr(front_end, "REPO_ROOT", CONVERT_CHECKER.parent / "no_checkout_here")  # as if labs/my_ddp.py were missing
     monkeypatch.chdir(CONVERT_CHECKER.parent)  # the jobs still running meanwhile use absolute paths only
     with pytest.raises(SystemExit) as stopped:
         convert_checker.main([])

@@ -152,5 +152,5 @@ def test_the_checker_refuses_a_missing_script_in_one_line(capsys):
         checker.main([str(Path("no_such_lab10.py"))])
     assert stopped.value.code == 2
     assert [line for line in capsys.readouterr().err.splitlines() if "error:" in line] == [
-        "lab10_check.py: error: no file no_such_lab10.py: give your fixed copy, e.g. my_lab10.py"
+        "lab10_check.py: error: no such script: no_such_lab10.py (give your fixed copy, e.g. my_lab10.py)"
     ]

@@ -109,9 +109,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch import nn
 
 from ddp_course.checking import lab4  # lab 4's checker observes and judges some of what matters here
-from ddp_course.checking.verdict import Verdict, summary
-from ddp_course.cli import CourseArgumentParser, positive_float
-from ddp_course.launch import REPO_ROOT
+from ddp_course.checking.front_end import checker_parser, print_verdicts, script_to_check
+from ddp_course.checking.verdict import Verdict
+from ddp_course.cli import positive_float
 
 DEFAULT_SCRIPT = "labs/my_ddp.py"
 # The job: 3 gloo ranks as three one-process nodes (LOCAL_RANK is 0 on every rank, see the docstring).
@@ -937,40 +937,29 @@ def judge_each_check(straight, resumed) -> list[Verdict]:
 
 
 def main(argv=None) -> int:
-    parser = CourseArgumentParser(
-        prog="lab3_convert_check.py",
-        description="Check your DDP version of labs/train_realistic.py by running it on 2 CPU ranks (see the docstring).",
+    parser = checker_parser(
+        "lab3_convert_check.py",
+        "Check your DDP version of labs/train_realistic.py by running it on 2 CPU ranks (see the docstring).",
+        DEFAULT_SCRIPT,
+        f"your DDP script (default {DEFAULT_SCRIPT}); it must keep labs/train_realistic.py's flags, with --batch-size per process",
     )
-    parser.add_argument(
-        "script", nargs="?", default=DEFAULT_SCRIPT,
-        help=f"your DDP script (default {DEFAULT_SCRIPT}); it must keep labs/train_realistic.py's flags, with --batch-size per process",
-    )  # fmt: skip
-    parser.add_argument("--show-output", action="store_true", help="also print the script's stdout and stderr")
     parser.add_argument(
         "--job-timeout-s", type=positive_float, default=JOB_TIMEOUT_S, metavar="SECONDS",
         help=f"kill the whole job (both runs) after this many seconds (default {JOB_TIMEOUT_S}; more on a slow machine)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    script = Path(args.script)
-    if not script.is_absolute() and not script.exists():
-        script = REPO_ROOT / script  # so that the default works from any folder
-    if not script.is_file():
-        first = " (start with: cp labs/train_realistic.py labs/my_ddp.py, then make it a DDP script)" if args.script == DEFAULT_SCRIPT else ""
-        parser.error(f"no such script: {args.script}{first}")
+    start_hint = " (start with: cp labs/train_realistic.py labs/my_ddp.py, then make it a DDP script)"
+    script = script_to_check(parser, args.script, start_hint if args.script == DEFAULT_SCRIPT else "")
 
     shown = " ".join([*SCRIPT_ARGS, "--save", "<temporary folder>/model.pt"])
     print(f"lab 3 conversion checker: {args.script} on {WORLD_SIZE} gloo ranks ({NODES} one-process nodes), {shown}; then again with --resume", flush=True)
     with tempfile.TemporaryDirectory(prefix="lab3_check_") as out_dir:
-        (straight, resumed), verdicts = check(script.resolve(), Path(out_dir), args.job_timeout_s)
+        (straight, resumed), verdicts = check(script, Path(out_dir), args.job_timeout_s)
         if args.show_output:
             for name, obs in (("first run", straight), ("resumed run", resumed)):
                 print(f"--- the script's stdout, {name}\n{obs.run.stdout}--- its stderr\n{obs.run.stderr}--- end of the script's output")
     print(f"the first run {straight.ended()}; the resumed run {resumed.ended()}")
-    for decided in verdicts:
-        print(decided.line())
-    result, status = summary(verdicts)
-    print(result)
-    return status
+    return print_verdicts(verdicts)
 
 
 if __name__ == "__main__":

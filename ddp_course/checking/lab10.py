@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddp_course.checking.verdict import Verdict, summary
+from ddp_course.checking.front_end import checker_parser, print_verdicts, script_to_check
+from ddp_course.checking.verdict import Verdict
 from ddp_course.launch import REPO_ROOT, RunResult, run_command, run_torchrun
 from ddp_course.timeline import read_run, summarize
 
@@ -274,22 +275,13 @@ def check(script: Path, folder: Path) -> tuple[RunResult, list[Verdict]]:
 
 
 def main(argv=None) -> int:
-    from ddp_course.cli import CourseArgumentParser
-
-    parser = CourseArgumentParser(prog="lab10_check.py", description="Check a lab 10 script by what it does.")
-    parser.add_argument("script", nargs="?", default=str(REPO_ROOT / "labs" / "lab10_slow_ddp.py"), help="the script to check")
-    parser.add_argument("--show-output", action="store_true", help="also print the launch's own output")
+    default_script = str(REPO_ROOT / "labs" / "lab10_slow_ddp.py")
+    parser = checker_parser("lab10_check.py", "Check a lab 10 script by what it does.", default_script, "the script to check")
     args = parser.parse_args(argv)
-    script = Path(args.script)
-    if not script.is_file():
-        parser.error(f"no file {args.script}: give your fixed copy, e.g. my_lab10.py")
+    script = script_to_check(parser, args.script, " (give your fixed copy, e.g. my_lab10.py)")
     print(f"checking {args.script} on {WORLD_SIZE} CPU ranks against the reference (about a minute) ...", flush=True)
     with tempfile.TemporaryDirectory(prefix="lab10_check_") as folder:
-        result, verdicts = check(script.resolve(), Path(folder))
+        result, verdicts = check(script, Path(folder))
     if args.show_output:
         print(result.stdout + result.stderr)
-    for item in verdicts:
-        print(item.line())
-    line, status = summary(verdicts)
-    print(line)
-    return status
+    return print_verdicts(verdicts)

@@ -36,10 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from ddp_course.checking.verdict import Verdict, summary
-from ddp_course.cli import CourseArgumentParser, positive_float
+from ddp_course.checking.front_end import checker_parser, print_verdicts, script_to_check
+from ddp_course.checking.verdict import Verdict
+from ddp_course.cli import positive_float
 from ddp_course.data import DatasetSplits, load_digits
-from ddp_course.launch import LAUNCH_LOG_VARIABLE, REPO_ROOT, RunResult, append_to_launch_log, free_port, run_torchrun
+from ddp_course.launch import LAUNCH_LOG_VARIABLE, RunResult, append_to_launch_log, free_port, run_torchrun
 from ddp_course.models import DigitsCNN
 from ddp_course.cluster.multinode import agent_command, run_agents
 
@@ -644,9 +645,10 @@ def judge(obs: Observation) -> list[Verdict]:
 
 
 def main(argv=None) -> int:
-    parser = CourseArgumentParser(prog="lab4_check.py", description="Check a DDP training script by running it (see the docstring).")
-    parser.add_argument("script", nargs="?", default=DEFAULT_SCRIPT, help=f"the script to check (default {DEFAULT_SCRIPT})")
-    parser.add_argument("--show-output", action="store_true", help="also print the script's stdout and stderr")
+    parser = checker_parser(
+        "lab4_check.py", "Check a DDP training script by running it (see the docstring).",
+        DEFAULT_SCRIPT, f"the script to check (default {DEFAULT_SCRIPT})",
+    )  # fmt: skip
     parser.add_argument(
         "--no-rescue", action="store_true",
         help="let unmatched collectives run as they would unobserved (the job then waits for --timeout-s and dies)",
@@ -656,23 +658,15 @@ def main(argv=None) -> int:
         help=f"kill the whole job after this many seconds (default {JOB_TIMEOUT_S}; more on a slow machine)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    script = Path(args.script)
-    if not script.is_absolute() and not script.exists():
-        script = REPO_ROOT / script  # so that the default works from any folder
-    if not script.is_file():
-        parser.error(f"no such script: {args.script}")
+    script = script_to_check(parser, args.script)
 
     print(f"lab 4 checker: {args.script} under torchrun, {WORLD_SIZE} gloo ranks on the CPU: {' '.join(SCRIPT_ARGS)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="lab4_check_") as out_dir:
-        obs, verdicts = check(script.resolve(), Path(out_dir), rescue=not args.no_rescue, job_timeout_s=args.job_timeout_s)
+        obs, verdicts = check(script, Path(out_dir), rescue=not args.no_rescue, job_timeout_s=args.job_timeout_s)
     if args.show_output:
         print(f"--- the script's stdout\n{obs.run.stdout}--- its stderr\n{obs.run.stderr}--- end of the script's output")
     print(f"the job {obs.ended()}")
-    for decided in verdicts:
-        print(decided.line(**LINE_FORMAT))
-    result, status = summary(verdicts)
-    print(result)
-    return status
+    return print_verdicts(verdicts, **LINE_FORMAT)
 
 
 if __name__ == "__main__":
