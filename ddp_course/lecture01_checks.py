@@ -25,6 +25,19 @@ from torch import nn
 from ddp_course.compare import max_relative_difference
 from ddp_course.models import DigitsCNN
 from ddp_course.seeding import seed_everything
+from ddp_course.self_check import Question
+
+# --- the self-check (the end of the Summary) -------------------------------------------------------
+
+# Lab 3's defaults (32 per rank, learning rate 0.05, 2 ranks) moved to 8 GPUs with 2 accumulation
+# steps: the global batch goes from 64 to 512, so the linear scaling rule multiplies the rate by 8.
+SELF_CHECK = Question(
+    name="self-check",
+    expected=0.4,
+    why="the global batch k*N*B grows from 1*2*32 = 64 to 2*8*32 = 512, 8 times, so 0.05 x 8 = 0.4",
+    hint="reread section 8 (effective batch size and the learning rate): which batch does the rule scale with, "
+    "and what makes it up?",
+)
 
 # --- exercise checks ------------------------------------------------------------------------------
 

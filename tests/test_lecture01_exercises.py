@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from ddp_course import lecture01_checks as checks
-from ddp_course.launch import REPO_ROOT
+from ddp_course.launch import REPO_ROOT, import_script
+from ddp_course.self_check import verdict as self_check_verdict
 from ddp_course.authoring.notebooks import cells_titled
 
 LECTURE = REPO_ROOT / "lectures" / "01_data_parallelism.ipynb"
@@ -176,3 +177,27 @@ def test_the_optional_notebook_opens_and_closes_on_the_route():
     assert markdown[-1].strip().splitlines()[-1] == "**Next:** back to the route where you left it."
     lecture_text = "\n".join(cell.source for cell in nbformat.read(LECTURE, as_version=4).cells)
     assert "(optional_beyond_data_parallelism.ipynb)" in lecture_text  # lecture 1 links to it
+
+
+def stored_self_check_cell(path):
+    """The notebook's self-check code cell: (source, stored stdout)."""
+    [cell] = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code" and "self_check(SELF_CHECK, answer)" in c.source]
+    return cell.source, "".join(out.get("text", "") for out in cell.outputs if out.output_type == "stream")
+
+
+@pytest.mark.timeout(30)
+def test_the_self_check_is_the_linear_scaling_rule_applied_to_lab_3s_defaults():
+    lab3 = import_script(REPO_ROOT / "labs" / "lab3_ddp.py")
+    defaults = lab3.parse_args([])  # the lab's per-rank batch and learning rate, on 2 ranks, no accumulation
+    old_global_batch = defaults.batch_size * 2 * defaults.accumulation_steps
+    new_global_batch = defaults.batch_size * 8 * 2  # 8 GPUs, 2 micro-batches per optimizer step
+    scaled_lr = defaults.lr * new_global_batch / old_global_batch
+    assert checks.SELF_CHECK.expected == pytest.approx(scaled_lr)
+    assert self_check_verdict(checks.SELF_CHECK, scaled_lr).startswith("self-check: correct - ")
+    forgot_accumulation = defaults.lr * 8 / 2  # scaled by the world size only
+    scaled_from_one_gpu = defaults.lr * 8 * 2  # as if 0.05 were a one-rank learning rate
+    for wrong in (forgot_accumulation, scaled_from_one_gpu, defaults.lr):
+        assert self_check_verdict(checks.SELF_CHECK, wrong) == f"self-check: not yet - {checks.SELF_CHECK.hint}", wrong
+    source, stored = stored_self_check_cell(LECTURE)
+    assert "from ddp_course.lecture01_checks import SELF_CHECK" in source and "answer = None" in source
+    assert stored.strip() == self_check_verdict(checks.SELF_CHECK, None)
