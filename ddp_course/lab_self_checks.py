@@ -21,6 +21,16 @@ LAB3_SELF_CHECK = Question(
 
 # --- lab 1: collectives -----------------------------------------------------------------------------
 
+# Section 3's self-test, the other way round: which results read the corrupted value? With rank 0
+# corrupted (100.5 instead of 100), the element-wise maximum still takes rank 1's 200.
+LAB1_SELF_CHECK = Question(
+    name="self-check",
+    expected="all_reduce_max",
+    why="the maximum of 100.5 and 200 is still rank 1's 200: the corrupted value changes no result",
+    hint="reread section 2 (what each collective returns) and section 3: for each check, does any rank's"
+    " result depend on rank 0's first value?",
+)
+
 # --- lab 2: the sampler -----------------------------------------------------------------------------
 
 # --- lab 4: the broken DDP script -------------------------------------------------------------------
