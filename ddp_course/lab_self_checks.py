@@ -33,6 +33,15 @@ LAB1_SELF_CHECK = Question(
 
 # --- lab 2: the sampler -----------------------------------------------------------------------------
 
+# Section 6's Join run: rank 0 has 15 batches, rank 1 has 30 (the run printed "steps per rank: [15, 30]").
+# A joined rank shadows every collective the others still make, so it takes part in all of them.
+LAB2_SELF_CHECK = Question(
+    name="self-check",
+    expected=30,
+    why="15 with its own gradients, then 15 more with zeros while rank 1 finishes: one per step of the longest rank",
+    hint="reread section 6 (uneven shards, Join): what does rank 0 do while rank 1 still calls backward()?",
+)
+
 # --- lab 4: the broken DDP script -------------------------------------------------------------------
 
 # --- lab 5: scaling ---------------------------------------------------------------------------------
