@@ -20,6 +20,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 
@@ -212,3 +213,62 @@ def test_bad_flags_under_torchrun_print_one_line_for_the_job(jobs, args, expecte
     assert len(script_errors) == 1, result.describe()
     assert re.search(expected, script_errors[0]), result.describe()
     assert 'lab1_collectives.py", line' not in result.stderr, result.describe()  # no traceback from the script
+
+
+# --- the sheet's self-check ------------------------------------------------------------------------
+
+
+def collective_results(contributions):
+    """{collective: what each rank holds after it} for 2+ ranks' tensors, by each collective's definition
+    (lecture 2 §1), in plain torch: no process group. `reduce` is defined on rank 0 only."""
+    world_size = len(contributions)
+    total = sum(contributions)
+    return {
+        "broadcast": [contributions[0]] * world_size,
+        "reduce": [total],
+        "all_reduce_sum": [total] * world_size,
+        "all_reduce_max": [torch.stack(contributions).amax(dim=0)] * world_size,
+        "all_reduce_mean": [total / world_size] * world_size,
+        "all_gather": [torch.cat(contributions)] * world_size,
+        "reduce_scatter": list(total.chunk(world_size)),
+        "send_recv_ring": [contributions[(rank - 1) % world_size] for rank in range(world_size)],
+    }
+
+
+def failing_collectives(corrupt_rank, world_size=2, length=4):
+    """The collectives whose result on some rank changes when corrupt_rank adds 0.5 to its first value."""
+    expected = [100.0 * (rank + 1) + torch.arange(length, dtype=torch.float32) for rank in range(world_size)]
+    corrupted = [tensor.clone() for tensor in expected]
+    corrupted[corrupt_rank][0] += 0.5
+    right, got = collective_results(expected), collective_results(corrupted)
+    return {name for name in right if any(not torch.equal(a, b) for a, b in zip(right[name], got[name], strict=True))}
+
+
+def stored_self_check_cell(sheet):
+    """(source, stored text output) of the sheet's self-check code cell, after its `## Summary [core]` heading."""
+    cells = json.loads(sheet.read_text())["cells"]
+    summary = next(i for i, cell in enumerate(cells) if "".join(cell["source"]).startswith("## Summary [core]"))
+    [cell] = [cell for cell in cells[summary:] if "self_check(SELF_CHECK, answer)" in "".join(cell["source"])]
+    return "".join(cell["source"]), "".join("".join(output.get("text", "")) for output in cell["outputs"])
+
+
+@pytest.mark.timeout(30)
+def test_self_check_names_the_one_collective_that_rank_0s_corruption_does_not_reach():
+    from ddp_course.lab_self_checks import LAB1_SELF_CHECK
+    from ddp_course.self_check import verdict
+
+    # The model agrees with the sheet's own stored run of section 3 (--corrupt-rank 1): the same FAIL lines.
+    cells = json.loads((REPO_ROOT / "labs" / "lab1_collectives.ipynb").read_text())["cells"]
+    [section_3_output] = ["".join(cell["outputs"][0]["text"]) for cell in cells if "corrupt_run = corrupt_job.result()" in "".join(cell["source"])]
+    stored = verdicts(section_3_output)
+    assert {name for name, status in stored.items() if status == "FAIL"} == failing_collectives(corrupt_rank=1)
+    # Failed in section 3, passes with rank 0 corrupted: exactly one collective, the self-check's answer.
+    assert failing_collectives(corrupt_rank=1) - failing_collectives(corrupt_rank=0) == {LAB1_SELF_CHECK.expected}
+    assert verdict(LAB1_SELF_CHECK, " All_Reduce_Max ").startswith("self-check: correct")
+    # The classic mistakes: broadcast (passed in section 3, but now its source is wrong) and the barrier (no data).
+    for wrong in ("broadcast", "barrier"):
+        assert verdict(LAB1_SELF_CHECK, wrong) == f"self-check: not yet - {LAB1_SELF_CHECK.hint}"
+    assert "broadcast" in failing_collectives(corrupt_rank=0)
+    source, output = stored_self_check_cell(REPO_ROOT / "labs" / "lab1_collectives.ipynb")
+    assert "import LAB1_SELF_CHECK as SELF_CHECK" in source and "answer = None" in source
+    assert output == verdict(LAB1_SELF_CHECK, None) + "\n"

@@ -7,6 +7,8 @@ collectives' devices are checked on the way. The hang demo is the last row of th
 3 launches of their own took 19-22 s (side by side, 2026-11-25, 2 cores), most of it start-up.
 """
 
+import json
+import math
 import re
 
 import pytest
@@ -86,3 +88,41 @@ def test_join_lets_uneven_ranks_finish_with_identical_weights(lab2_row, read_jso
     assert report["steps_per_rank"] == expected_steps
     assert report["same_weights_on_every_rank"] is True
     assert report["eval_accuracy"] > 0.6  # it trained: a fresh DigitsCNN scores about 10%
+
+
+# --- the lab 2 sheet's self-check (labs/lab2_sampler.ipynb, about section 6's Join run) -----------
+
+
+def stored_self_check_cell(sheet):
+    """(source, stored text output) of the sheet's self-check code cell, after its `## Summary [core]` heading."""
+    cells = json.loads(sheet.read_text())["cells"]
+    summary = next(i for i, cell in enumerate(cells) if "".join(cell["source"]).startswith("## Summary [core]"))
+    [cell] = [cell for cell in cells[summary:] if "self_check(SELF_CHECK, answer)" in "".join(cell["source"])]
+    return "".join(cell["source"]), "".join("".join(output.get("text", "")) for output in cell["outputs"])
+
+
+@pytest.mark.timeout(30)
+def test_self_check_counts_the_steps_whose_all_reduce_the_joined_rank_shadows():
+    from ddp_course.lab_self_checks import LAB2_SELF_CHECK
+    from ddp_course.self_check import verdict
+
+    lab2_join = load_module()
+    batch_size = lab2_join.parse_args([]).batch_size
+    # Independently: each rank's batches from the script's split; with Join every rank takes part in the
+    # gradient all-reduce of every step the longest rank runs (its own, then zeros).
+    batches = [math.ceil(len(lab2_join.uneven_slice(TRAIN_DIGITS, rank, 2)) / batch_size) for rank in range(2)]
+    assert batches == [15, 30]
+    assert max(batches) == LAB2_SELF_CHECK.expected
+    # The sheet's own stored run of section 6 printed the same steps, and the hang demo's rank 1 waited at step 16.
+    sheet = REPO_ROOT / "labs" / "lab2_sampler.ipynb"
+    outputs = ["".join(output.get("text", "")) for cell in json.loads(sheet.read_text())["cells"] for output in cell.get("outputs", [])]
+    [steps] = [re.search(r"steps per rank: \[(\d+), (\d+)\]", text).groups() for text in outputs if "steps per rank:" in text]
+    assert [int(step) for step in steps] == batches
+    assert any(f"[rank 1] stopped in the gradient all-reduce of step {batches[0] + 1}" in text for text in outputs)
+    assert verdict(LAB2_SELF_CHECK, 30).startswith("self-check: correct")
+    # The classic mistakes: only rank 0's own batches, and both ranks' steps added up.
+    for wrong in (batches[0], sum(batches)):
+        assert verdict(LAB2_SELF_CHECK, wrong) == f"self-check: not yet - {LAB2_SELF_CHECK.hint}"
+    source, output = stored_self_check_cell(sheet)
+    assert "import LAB2_SELF_CHECK as SELF_CHECK" in source and "answer = None" in source
+    assert output == verdict(LAB2_SELF_CHECK, None) + "\n"

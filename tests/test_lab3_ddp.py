@@ -606,3 +606,42 @@ def test_fresh_run_refuses_a_directory_with_checkpoints(refused_runs):
     result, directory, before = refused_runs
     assert_every_rank_refused(result, "fresh_run", r"already holds checkpoints: add --resume")
     assert snapshot(directory / "fresh_run_checkpoints") == before["fresh_run"]
+
+
+# --- the sheet's self-check ------------------------------------------------------------------------
+
+
+def stored_self_check_cell(sheet):
+    """(source, stored text output) of the sheet's self-check code cell, after its `## Summary [core]` heading."""
+    cells = json.loads(sheet.read_text())["cells"]
+    summary = next(i for i, cell in enumerate(cells) if "".join(cell["source"]).startswith("## Summary [core]"))
+    [cell] = [cell for cell in cells[summary:] if "self_check(SELF_CHECK, answer)" in "".join(cell["source"])]
+    return "".join(cell["source"]), "".join("".join(output.get("text", "")) for output in cell["outputs"])
+
+
+@pytest.mark.timeout(30)
+def test_self_check_steps_per_epoch_are_a_ranks_loader_in_groups_and_the_checkers_count():
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from ddp_course.lab_self_checks import LAB3_SELF_CHECK
+    from ddp_course.self_check import verdict
+
+    digits, ranks, batch, accumulation = 1438, 3, 48, 3  # the checker's job, as the question states it
+    # Independently: the loader a converted script builds on each rank, its batches counted in groups of k.
+    batches = {len(DataLoader(range(digits), batch_size=batch, sampler=DistributedSampler(range(digits), ranks, rank)))
+               for rank in range(ranks)}  # fmt: skip
+    assert batches == {10}
+    assert -(-10 // accumulation) == LAB3_SELF_CHECK.expected  # an epoch's short last group is a step too
+    # The figure the checker measured on the solution, in the stored run the sheet prints (section 7).
+    stored = (REPO_ROOT / "solutions" / "lab3_reference" / "convert_check_pass.txt").read_text()
+    assert f"on {ranks} gloo ranks" in stored and f"--batch-size {batch} --accumulation {accumulation}" in stored
+    epochs = int(re.search(r"--epochs (\d+)", stored).group(1))
+    measured_steps = int(re.search(r"8 clipping +PASS +each of the (\d+) optimizer steps", stored).group(1))
+    assert measured_steps == epochs * LAB3_SELF_CHECK.expected
+    assert verdict(LAB3_SELF_CHECK, 4).startswith("self-check: correct")
+    # The classic mistakes: the one-process script's count, ceil(1438 / (48 x 3)) = 10, and dropping the short group.
+    for wrong in (-(-digits // (batch * accumulation)), 10 // accumulation):
+        assert verdict(LAB3_SELF_CHECK, wrong) == f"self-check: not yet - {LAB3_SELF_CHECK.hint}"
+    source, output = stored_self_check_cell(REPO_ROOT / "labs" / "lab3_ddp.ipynb")
+    assert "import LAB3_SELF_CHECK as SELF_CHECK" in source and "answer = None" in source
+    assert output == verdict(LAB3_SELF_CHECK, None) + "\n"
