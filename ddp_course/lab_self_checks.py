@@ -26,6 +26,16 @@ LAB4_SELF_CHECK = Question(
 
 # --- lab 5: scaling ---------------------------------------------------------------------------------
 
+# comm_bound trains 4 samples per rank (section 2's table); on 16 ranks one step sees 64 samples, and the
+# linear scaling rule takes a recipe tuned at lr 0.1 for batch 32 to 0.1 x 64 / 32 (section 4, question 3).
+LAB5_SELF_CHECK = Question(
+    name="self-check",
+    expected=0.2,
+    why="one step sees the global batch, 16 ranks x 4 samples = 64, twice the recipe's 32: twice its learning rate",
+    hint="reread section 4, assessment question 3 (effective batch size): which batch does the learning rate "
+    "follow, and how many samples does each comm_bound rank bring to it (section 2's table)?",
+)
+
 # --- lab 7: fault tolerance -------------------------------------------------------------------------
 
 # --- lab 9: FSDP in practice ------------------------------------------------------------------------
