@@ -40,4 +40,15 @@ LAB5_SELF_CHECK = Question(
 
 # --- lab 9: FSDP in practice ------------------------------------------------------------------------
 
+# fully_shard's ring-model bytes per rank per step: an all-gather in forward, another in backward and a
+# reduce-scatter, each (N-1)/N of the weights' S = 3.105 MiB (DDP's row on 2 ranks, 2 x 1/2 x S):
+# 3 x 7/8 x 3.105 MiB = 8.15 MiB on 8 ranks.
+LAB9_SELF_CHECK = Question(
+    name="self-check",
+    expected=8.15,
+    why="three collectives of (N-1)/N of the weights each: 3 x 7/8 x 3.105 MiB; more ranks bring it nearer 3S, never past",
+    hint="reread section 2 (memory over a whole step) and its bytes table: find the weights' size S from DDP's "
+    "2-rank row, then count fully_shard's collectives per step and what each sends on N ranks",
+)
+
 __all__ = ["Question"]
