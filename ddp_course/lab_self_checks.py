@@ -38,6 +38,17 @@ LAB5_SELF_CHECK = Question(
 
 # --- lab 7: fault tolerance -------------------------------------------------------------------------
 
+# Section 3's job with --checkpoint-every 4 and --crash-at-step 10: the newest checkpoint is step 8's, so
+# the restart runs steps 9 and 10 again (the stored run: every 5, crash after 8, 3 steps recomputed).
+LAB7_SELF_CHECK = Question(
+    name="self-check",
+    expected=2,
+    why="the restart resumes from the newest checkpoint, step 8's, so steps 9 and 10 run twice",
+    hint="reread section 3 (a crash, the restart, and what was recomputed): from which checkpoint does "
+    "every worker start again, and which steps had run since it?",
+    relative_tolerance=0.0,
+)
+
 # --- lab 9: FSDP in practice ------------------------------------------------------------------------
 
 # fully_shard's ring-model bytes per rank per step: an all-gather in forward, another in backward and a
