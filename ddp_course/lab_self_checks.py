@@ -44,10 +44,53 @@ LAB2_SELF_CHECK = Question(
 
 # --- lab 4: the broken DDP script -------------------------------------------------------------------
 
+# Section 2's minimal hang with rank 0 given 5 batches and rank 1 given 3: both ranks run the same
+# all-reduces #0-#2, then rank 0 enters all-reduce #3 while rank 1 enters the barrier as its #3.
+LAB4_SELF_CHECK = Question(
+    name="self-check",
+    expected=3,
+    why="the ranks agree on the 3 all-reduces both run (#0, #1, #2); the first disagreement is the next one, #3",
+    hint="reread section 2 (let torch.distributed check every collective): count the collectives both ranks "
+    "still call alike, from 0, as the stored run's #2 does for 3 and 2 batches",
+    relative_tolerance=0.0,
+)
+
 # --- lab 5: scaling ---------------------------------------------------------------------------------
+
+# comm_bound trains 4 samples per rank (section 2's table); on 16 ranks one step sees 64 samples, and the
+# linear scaling rule takes a recipe tuned at lr 0.1 for batch 32 to 0.1 x 64 / 32 (section 4, question 3).
+LAB5_SELF_CHECK = Question(
+    name="self-check",
+    expected=0.2,
+    why="one step sees the global batch, 16 ranks x 4 samples = 64, twice the recipe's 32: twice its learning rate",
+    hint="reread section 4, assessment question 3 (effective batch size): which batch does the learning rate "
+    "follow, and how many samples does each comm_bound rank bring to it (section 2's table)?",
+)
 
 # --- lab 7: fault tolerance -------------------------------------------------------------------------
 
+# Section 3's job with --checkpoint-every 4 and --crash-at-step 10: the newest checkpoint is step 8's, so
+# the restart runs steps 9 and 10 again (the stored run: every 5, crash after 8, 3 steps recomputed).
+LAB7_SELF_CHECK = Question(
+    name="self-check",
+    expected=2,
+    why="the restart resumes from the newest checkpoint, step 8's, so steps 9 and 10 run twice",
+    hint="reread section 3 (a crash, the restart, and what was recomputed): from which checkpoint does "
+    "every worker start again, and which steps had run since it?",
+    relative_tolerance=0.0,
+)
+
 # --- lab 9: FSDP in practice ------------------------------------------------------------------------
+
+# fully_shard's ring-model bytes per rank per step: an all-gather in forward, another in backward and a
+# reduce-scatter, each (N-1)/N of the weights' S = 3.105 MiB (DDP's row on 2 ranks, 2 x 1/2 x S):
+# 3 x 7/8 x 3.105 MiB = 8.15 MiB on 8 ranks.
+LAB9_SELF_CHECK = Question(
+    name="self-check",
+    expected=8.15,
+    why="three collectives of (N-1)/N of the weights each: 3 x 7/8 x 3.105 MiB; more ranks bring it nearer 3S, never past",
+    hint="reread section 2 (memory over a whole step) and its bytes table: find the weights' size S from DDP's "
+    "2-rank row, then count fully_shard's collectives per step and what each sends on N ranks",
+)
 
 __all__ = ["Question"]

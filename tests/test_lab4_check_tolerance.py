@@ -260,3 +260,55 @@ def test_the_loss_times_the_world_size_fails_gradient_scale_only_under_each_cpu_
     assert lines[7].group(3) == "FAIL" and lines[7].group(4).startswith("step 1's gradient is 2.00 x the gradient"), done.stdout
     assert all(lines[number].group(3) == "PASS" for number in range(1, 7)), done.stdout
     assert done.returncode == 1
+
+
+# --- the sheet's self-check (labs/lab4_broken_ddp.ipynb, Summary): where DETAIL stops an uneven job --------
+
+
+def collectives_called(minimal, rank, monkeypatch):
+    """The collectives lab4_minimal_hang.py's rank calls, in order, recorded instead of run (no group)."""
+    calls = []
+    monkeypatch.setattr(minimal.dist, "all_reduce", lambda tensor: calls.append("ALLREDUCE"))
+    monkeypatch.setattr(minimal.dist, "barrier", lambda: calls.append("BARRIER"))
+    minimal.run_uneven_steps(rank)
+    return calls
+
+
+def first_mismatch(rank_0_calls, rank_1_calls):
+    """The position, from 0, of the first collective the two ranks do not call alike: where DETAIL stops."""
+    return next(position for position, (a, b) in enumerate(zip(rank_0_calls, rank_1_calls)) if a != b)
+
+
+def stored_cell(notebook, marker):
+    """The one code cell of the stored notebook whose source contains marker: (its source, its text output)."""
+    import json
+
+    cells = [cell for cell in json.loads(notebook.read_text())["cells"]
+             if cell["cell_type"] == "code" and marker in "".join(cell["source"])]  # fmt: skip
+    assert len(cells) == 1, f"{len(cells)} code cells contain {marker!r}"
+    return "".join(cells[0]["source"]), "".join("".join(output.get("text", "")) for output in cells[0]["outputs"])
+
+
+def test_the_self_check_predicts_where_detail_stops_a_job_with_five_and_three_batches(monkeypatch):
+    from ddp_course.lab_self_checks import LAB4_SELF_CHECK
+    from ddp_course.launch import import_script
+    from ddp_course.self_check import verdict
+
+    notebook = REPO_ROOT / "labs" / "lab4_broken_ddp.ipynb"
+    minimal = import_script(REPO_ROOT / "labs" / "lab4_minimal_hang.py")
+    calls = [collectives_called(minimal, rank, monkeypatch) for rank in (0, 1)]
+    assert calls[0].count("ALLREDUCE") == 3 and calls[1].count("ALLREDUCE") == 2
+    # The model (the first position where the call sequences differ) reproduces the sheet's stored DETAIL run.
+    position = first_mismatch(*calls)
+    _, detail_output = stored_cell(notebook, "detail_mismatches(checked.stdout)")
+    for rank in (0, 1):
+        assert f"rank {rank} stopped at its collective #{position}: {calls[rank][position]}" in detail_output
+    # The question's job: rank 0 runs 5 gradient all-reduces, rank 1 runs 3, then each its barrier.
+    five_and_three = first_mismatch(["ALLREDUCE"] * 5 + ["BARRIER"], ["ALLREDUCE"] * 3 + ["BARRIER"])
+    assert LAB4_SELF_CHECK.expected == five_and_three
+    assert verdict(LAB4_SELF_CHECK, five_and_three).startswith("self-check: correct - ")
+    for mistake in (5, 4, 2):  # rank 0's batch count; counted from 1; the stored run's position copied
+        assert verdict(LAB4_SELF_CHECK, mistake) == f"self-check: not yet - {LAB4_SELF_CHECK.hint}"
+    source, output = stored_cell(notebook, "LAB4_SELF_CHECK")
+    assert "answer = None" in source and "self_check(SELF_CHECK, answer)" in source
+    assert output == verdict(LAB4_SELF_CHECK, None) + "\n"

@@ -216,3 +216,40 @@ def test_rounds_interleave_and_keep_the_fastest(lab5, monkeypatch, tmp_path, cap
     assert [r["strong_scaling_efficiency"] for r in records] == [1.0, 150 / 240, 1.0, 300 / 400]
     assert all(r["weak_scaling_efficiency"] is None for r in records)
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+# --- the sheet's self-check (labs/lab5_scaling.ipynb, Summary): the learning rate for comm_bound on 16 ranks ---
+
+
+def stored_cell(notebook, marker):
+    """The one code cell of the stored notebook whose source contains marker: (its source, its text output)."""
+    cells = [cell for cell in json.loads(notebook.read_text())["cells"]
+             if cell["cell_type"] == "code" and marker in "".join(cell["source"])]  # fmt: skip
+    assert len(cells) == 1, f"{len(cells)} code cells contain {marker!r}"
+    return "".join(cells[0]["source"]), "".join("".join(output.get("text", "")) for output in cells[0]["outputs"])
+
+
+def test_the_self_check_scales_the_learning_rate_with_comm_bounds_global_batch(lab5):
+    from fractions import Fraction
+
+    from ddp_course.lab_self_checks import LAB5_SELF_CHECK
+    from ddp_course.self_check import verdict
+
+    notebook = REPO_ROOT / "labs" / "lab5_scaling.ipynb"
+    per_rank = lab5.CONFIGS["comm_bound"].batch_size
+    _, sizes = stored_cell(notebook, "model_sizes = {}")
+    assert re.search(rf"comm_bound +\w+ +batch +{per_rank} per rank", sizes), sizes  # what the learner read there
+    # The recipe and the rule as the sheet's stored table applies them: peak lr = 0.1 x global batch / 32.
+    _, table = stored_cell(notebook, "base_lr, base_batch, warmup_epochs")
+    rows = [line.split() for line in table.splitlines()[1:] if line.strip()]
+    assert [(int(ranks), int(batch), float(lr)) for ranks, batch, _, lr, _ in rows] == [
+        (ranks, ranks * 32, float(Fraction("0.1") * ranks)) for ranks in (1, 2, 8, 64)]  # fmt: skip
+    peak_lr = Fraction("0.1") * (16 * per_rank) / 32
+    assert LAB5_SELF_CHECK.expected == float(peak_lr) == 0.2
+    assert verdict(LAB5_SELF_CHECK, float(peak_lr)).startswith("self-check: correct - ")
+    # The recipe's lr unchanged; 16 x the recipe's lr (as if each rank brought 32); the per-rank batch's 4/32 of it.
+    for mistake in (0.1, 1.6, 0.0125):
+        assert verdict(LAB5_SELF_CHECK, mistake) == f"self-check: not yet - {LAB5_SELF_CHECK.hint}"
+    source, output = stored_cell(notebook, "LAB5_SELF_CHECK")
+    assert "answer = None" in source and "self_check(SELF_CHECK, answer)" in source
+    assert output == verdict(LAB5_SELF_CHECK, None) + "\n"

@@ -455,3 +455,50 @@ def test_a_crash_rank_outside_the_job_fails_with_one_line(rank, tmp_path, monkey
     expected = ["lab7_fault_tolerance.py: error: --crash-rank 2 does not exist in a job of 2 ranks"] if rank == 0 else []
     assert capsys.readouterr().err.splitlines() == expected
     assert not (tmp_path / "c").exists()  # refused before any checkpoint
+
+
+# --- the sheet's self-check (labs/lab7_fault_tolerance.ipynb, Summary): the steps a restart recomputes ---------
+
+
+def stored_cell(notebook, marker):
+    """The one code cell of the stored notebook whose source contains marker: (its source, its text output)."""
+    cells = [cell for cell in json.loads(notebook.read_text())["cells"]
+             if cell["cell_type"] == "code" and marker in "".join(cell["source"])]  # fmt: skip
+    assert len(cells) == 1, f"{len(cells)} code cells contain {marker!r}"
+    return "".join(cells[0]["source"]), "".join("".join(output.get("text", "")) for output in cells[0]["outputs"])
+
+
+def steps_recomputed(checkpoint_every, crash_after, max_steps):
+    """Replay the lab's loop in step order: a checkpoint when the step is a multiple of the interval (or the
+    last), then the crash on attempt 0; the restart resumes from the newest checkpoint."""
+    newest = 0
+    for step in range(1, max_steps + 1):
+        if step % checkpoint_every == 0 or step == max_steps:
+            newest = step
+        if step == crash_after:
+            return step - newest
+    return 0
+
+
+def test_the_self_check_predicts_the_steps_a_restart_recomputes():
+    from ddp_course.lab_self_checks import LAB7_SELF_CHECK
+    from ddp_course.self_check import verdict
+
+    notebook = REPO_ROOT / "labs" / "lab7_fault_tolerance.ipynb"
+    setup, _ = stored_cell(notebook, "jobs = {")
+    max_steps, every, crash_after = (int(re.search(rf'"--{name}", (\d+)', setup).group(1))
+                                     for name in ("max-steps", "checkpoint-every", "crash-at-step"))  # fmt: skip
+    # The replay reproduces the sheet's stored crash run (every 5, crash after 8: 3 steps).
+    _, crash_output = stored_cell(notebook, 'jobs["crash"].result()')
+    recorded = re.findall(r"world_size=2, attempt 1 \| (\d+) steps recomputed in all", crash_output)
+    assert recorded == [str(steps_recomputed(every, crash_after, max_steps))], crash_output
+    # The question's run: a checkpoint every 4, the crash after step 10, 12 steps.
+    expected = steps_recomputed(4, 10, max_steps)
+    assert LAB7_SELF_CHECK.expected == expected
+    assert verdict(LAB7_SELF_CHECK, expected).startswith("self-check: correct - ")
+    # The stored run's count copied; the interval; back to step 4 (or to the old interval's step 5).
+    for mistake in (3, 4, 6, 5):
+        assert verdict(LAB7_SELF_CHECK, mistake) == f"self-check: not yet - {LAB7_SELF_CHECK.hint}"
+    source, output = stored_cell(notebook, "LAB7_SELF_CHECK")
+    assert "answer = None" in source and "self_check(SELF_CHECK, answer)" in source
+    assert output == verdict(LAB7_SELF_CHECK, None) + "\n"

@@ -329,3 +329,43 @@ def test_an_allocator_that_cannot_count_every_thread_is_refused_in_one_line(lab9
     monkeypatch.setattr(ctypes, "CDLL", no_library)
     with pytest.raises(CourseError, match=r"cannot make the CPU allocator count every thread .* leave out the memory, meta and checkpoint"):
         sharding.track_every_thread()
+
+
+# --- the sheet's self-check (labs/lab9_fsdp_practice.ipynb, Summary): fully_shard's bytes on 8 ranks -----------
+
+
+def stored_cell(notebook, marker):
+    """The one code cell of the stored notebook whose source contains marker: (its source, its text output)."""
+    cells = [cell for cell in json.loads(notebook.read_text())["cells"]
+             if cell["cell_type"] == "code" and marker in "".join(cell["source"])]  # fmt: skip
+    assert len(cells) == 1, f"{len(cells)} code cells contain {marker!r}"
+    return "".join(cells[0]["source"]), "".join("".join(output.get("text", "")) for output in cells[0]["outputs"])
+
+
+def test_the_self_check_predicts_fully_shards_ring_bytes_on_8_ranks():
+    from ddp_course.lab_self_checks import LAB9_SELF_CHECK
+    from ddp_course.self_check import verdict
+
+    mib = 2**20
+    weights = reference(4)["meta"]["whole_model_bytes"]  # S: the model's float32 weights
+    # The ring costs per rank: DDP one all-reduce, 2 (N-1)/N S; fully_shard two all-gathers and a
+    # reduce-scatter, 3 (N-1)/N S (padding to a multiple of N adds a few bytes). The sheet's stored table
+    # shows the reference's numbers; both must follow the formulas at 2 and 4 ranks.
+    _, table = stored_cell(REPO_ROOT / "labs" / "lab9_fsdp_practice.ipynb", "ring_model_MiB_per_step")
+    rows = [line.split() for line in table.splitlines()[2:]]  # under the header and its rule: ranks, impl, MiB, ...
+    shown = {(int(row[0]), row[1]): float(row[2]) for row in rows if len(row) == 5 and row[0].isdigit()}
+    for n in (2, 4):
+        impls = reference(n)["memory"]["impls"]
+        for impl, collectives in (("ddp", 2), ("fully_shard", 3)):
+            formula = collectives * (n - 1) / n * weights
+            assert math.isclose(impls[impl]["ring_model_bytes_per_step"], formula, rel_tol=1e-3)
+            assert math.isclose(shown[n, impl], formula / mib, rel_tol=1e-3)
+    on_8 = 3 * (8 - 1) / 8 * weights / mib
+    assert math.isclose(LAB9_SELF_CHECK.expected, on_8, rel_tol=1e-3)
+    assert verdict(LAB9_SELF_CHECK, on_8).startswith("self-check: correct - ")
+    # The 4-rank row copied; DDP's bytes on 8 ranks (1.5 times fewer); 3 S, as if N were infinite.
+    for mistake in (shown[4, "fully_shard"], 2 * 7 / 8 * weights / mib, 3 * weights / mib):
+        assert verdict(LAB9_SELF_CHECK, mistake) == f"self-check: not yet - {LAB9_SELF_CHECK.hint}"
+    source, output = stored_cell(REPO_ROOT / "labs" / "lab9_fsdp_practice.ipynb", "LAB9_SELF_CHECK")
+    assert "answer = None" in source and "self_check(SELF_CHECK, answer)" in source
+    assert output == verdict(LAB9_SELF_CHECK, None) + "\n"
