@@ -14,6 +14,7 @@ import torch
 
 from ddp_course.calculators import BUCKET_BYTES, NVLINK, allreduce_seconds, gpt2_parameters, network_link
 from ddp_course.launch import REPO_ROOT
+from ddp_course.self_check import Question
 
 LECTURE5_REFERENCE = REPO_ROOT / "solutions" / "lecture5_reference" / "lecture5_reference.json"
 
@@ -93,3 +94,17 @@ def check_exercise_2(powersgd_elements):
         return lines
 
     print_verdict(2, "powersgd_elements", check)
+
+
+# --- the self-check (ddp_course/self_check.py), asked at the end of the Summary --------------------------
+# Section 2's model, strong scaling: T(8) = T_1 / 8 + max(0, T_comm - o f_b T_1 / 8). The computation of
+# 192 ms splits into 24 ms per GPU; the ring sends 2 x 7/8 x 1 GB over 100 GB/s = 17.5 ms; backward, 2/3
+# of 24 ms = 16 ms, hides all of it but 1.5 ms. tests/test_lecture05_exercises.py recomputes it.
+SELF_CHECK = Question(
+    name="self-check",
+    expected=25.5,
+    why="24 ms of computation per GPU, plus what the 17.5 ms all-reduce leaves after 16 ms of backward hid it",
+    hint="reread section 2 (Amdahl's law with a communication term): what does each GPU compute, what does "
+    "a ring send, and which part of the step can hide it?",
+    relative_tolerance=0.02,
+)

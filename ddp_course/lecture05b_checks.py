@@ -8,6 +8,7 @@ tests/test_lecture05_exercises.py shows that it rejects plausible wrong answers.
 from __future__ import annotations
 
 from ddp_course.lecture05a_checks import print_verdict
+from ddp_course.self_check import Question
 
 
 def check_exercise_1(largest_batch):
@@ -32,3 +33,17 @@ def check_exercise_1(largest_batch):
                 for ranks in (1, 8)]
 
     print_verdict(1, "largest_batch", check)
+
+
+# --- the self-check (ddp_course/self_check.py), asked at the end of the Summary --------------------------
+# Section 3's table on one rank of a DDP job: 1 B fp32 parameters, Adam, default buckets -> 4 + 4 + 4 + 8 =
+# 20 GB whatever N is; a global batch of 256 over 8 ranks is 32 samples per rank at 1 GB each -> 32 GB.
+# tests/test_lecture05_exercises.py recomputes it with memory_breakdown.
+SELF_CHECK = Question(
+    name="self-check",
+    expected=52,
+    why="16P of weights, gradients and Adam state plus 4P of buckets, on every rank, and 32 samples' activations",
+    hint="reread section 3 (what one rank holds): which terms shrink as N grows, which DDP adds, and how many "
+    "samples does one rank hold?",
+    relative_tolerance=0.02,
+)

@@ -23,6 +23,8 @@ import io
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ddp_course.self_check import Question
+
 # ----------------------------------------------------------------------------- the model
 
 
@@ -256,3 +258,17 @@ def check_exercise_3(replica_fingerprint) -> None:
         ok = ok and differs
     ok = ok and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     print("exercise 3:", "correct" if ok else "not yet")
+
+
+# --- the self-check (ddp_course/self_check.py), asked at the end of the Summary --------------------------
+# Section 4: the position is the count of samples of the epoch's permutation the checkpoint's job consumed,
+# 6 steps x 16 samples x 4 ranks = 384, whatever world size resumes (ddp_course.resume.samples_consumed;
+# tests/test_lecture06_exercises.py recomputes it and resumes a sampler there).
+SELF_CHECK = Question(
+    name="self-check",
+    expected=384,
+    why="the checkpoint of step 6 saw 6 x 16 x 4 samples; steps 7-9 are lost, and 2 ranks deal out the rest",
+    hint="reread section 4 (checkpoints for resumable jobs), 'Resuming on another number of ranks': "
+    "which checkpoint survives the crash, and what does the position count?",
+    relative_tolerance=0.0,
+)

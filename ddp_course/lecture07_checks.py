@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from ddp_course.self_check import Question
+
 # Measured by lectures/scripts/sharding_demos.py (fully_shard, 4 linear layers, 39,312 float32 parameters =
 # 157,248 bytes, every layer fully_shard-ed): (world size, reshard_after_forward, bytes per gathered element)
 # -> bytes each rank sent in one step. tests/test_lecture07.py checks the job still measures these.
@@ -150,3 +152,17 @@ def check_exercise_3(shard_gradient) -> None:
     except NotImplementedError:
         return _not_solved(3, "shard_gradient")
     _verdict(3, problems)
+
+
+# --- the self-check (ddp_course/self_check.py), asked at the end of the Summary --------------------------
+# Sections 1 and 7: 7 B float32 parameters with Adam on 8 ranks, 40 GB per rank left for the model state.
+# DDP holds 16P = 112 GB, ZeRO-1 8P + 8P/8 = 63 GB, ZeRO-2 4P + 12P/8 = 38.5 GB: the first that fits, and
+# it sends DDP's bytes where ZeRO-3 (14 GB) sends 1.5 times them. tests/test_lecture07.py recomputes it.
+SELF_CHECK = Question(
+    name="self-check",
+    expected=2,
+    why="ZeRO-2 holds 4P + 12P/N = 38.5 GB, ZeRO-1 63 GB; ZeRO-3 fits too but sends 1.5 times DDP's bytes",
+    hint="reread section 1 (what each rank holds) for each stage's bytes at N = 8, then section 7 (which one to "
+    "choose): of the stages that fit, which sends the fewest bytes?",
+    relative_tolerance=0.0,
+)

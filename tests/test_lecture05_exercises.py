@@ -6,8 +6,9 @@ cell (one call, `check_exercise_N(function)`, from ddp_course/lecture05a_checks.
 and expects "not yet"; the lecture's stub must make the check say "not solved yet". So a check that cannot
 fail, or a solution that no longer passes, turns a test red. tests/test_exercises_in_step.py keeps the
 exercise and check cells in step with the solutions'; the first test here keeps the solutions' copies of
-the lectures' set-up cells identical. The last one holds lecture 5a's scaling prose (sections 2-3) against
-its own model's numbers.
+the lectures' set-up cells identical. One holds lecture 5a's scaling prose (sections 2-3) against
+its own model's numbers. The last two recompute each lecture's self-check answer from the lecture's own model,
+show that the classic mistakes get the hint, and that the stored self-check cell is unanswered.
 """
 
 import math
@@ -17,6 +18,7 @@ import pytest
 
 from ddp_course.launch import REPO_ROOT
 from ddp_course.authoring.notebooks import cells_titled, not_solved_verdicts, replaced, run_all_cells, run_source
+from ddp_course.self_check import verdict
 
 # {lecture: (notebook, solutions notebook, {exercise number: the function it asks for})}
 LECTURES = {
@@ -168,3 +170,62 @@ def test_scaling_prose_agrees_with_the_lectures_own_model(solved):
 @pytest.mark.timeout(120)
 def test_exercise_1s_wrong_answers_differ_from_a_right_one_only_by_their_mistake(solved):
     assert check_verdict(solved["5a"], "5a", 1, hierarchical_phases=wrong_phases()) == "exercise 1: correct"
+
+
+# --- the self-checks at the end of each Summary (ddp_course/self_check.py) ----------------------------
+
+
+def stored_self_check(notebook, module):
+    """The stored self-check cell of a notebook: (its source, what it printed)."""
+    cells = cells_titled(notebook, f"from ddp_course.{module} import SELF_CHECK")
+    assert len(cells) == 1, f"{notebook.name}: one self-check cell"
+    return next(iter(cells.values()))
+
+
+def assert_stored_unanswered(notebook, module, question):
+    source, stdout = stored_self_check(notebook, module)
+    assert "answer = None" in source and "self_check(SELF_CHECK, answer)" in source
+    assert stdout.strip() == verdict(question, None)
+
+
+@pytest.mark.timeout(30)
+def test_lecture_5a_self_check_is_section_2s_model_and_rejects_the_classic_mistakes():
+    from ddp_course.calculators import allreduce_seconds
+    from ddp_course.lecture05a_checks import SELF_CHECK
+
+    def step_ms(t1_ms, gpus, gradient_bytes, bandwidth, overlap=1.0, backward_share=2 / 3, ring=True):
+        """Section 2's strong scaling: T_1 / N plus the all-reduce backward could not hide."""
+        compute = t1_ms / gpus
+        comm = allreduce_seconds(gradient_bytes, gpus, 1, (0.0, bandwidth)) * 1e3 if ring else 2 * gradient_bytes / bandwidth * 1e3
+        return compute + max(0.0, comm - overlap * backward_share * compute)
+
+    right = step_ms(192, 8, 1e9, 100e9)
+    assert math.isclose(right, SELF_CHECK.expected)
+    assert verdict(SELF_CHECK, right).startswith("self-check: correct")
+    mistakes = {"no overlap": step_ms(192, 8, 1e9, 100e9, overlap=0), "all of it hidden": 192 / 8,
+                "the whole computation hides it": step_ms(192, 8, 1e9, 100e9, backward_share=1),
+                "2S / beta for the ring": step_ms(192, 8, 1e9, 100e9, ring=False)}
+    for mistake, answer in mistakes.items():
+        assert verdict(SELF_CHECK, answer) == f"self-check: not yet - {SELF_CHECK.hint}", mistake
+    assert "section 2" in SELF_CHECK.hint
+    assert_stored_unanswered(LECTURES["5a"][0], "lecture05a_checks", SELF_CHECK)
+
+
+@pytest.mark.timeout(30)
+def test_lecture_5b_self_check_is_section_3s_table_and_rejects_the_classic_mistakes():
+    from ddp_course.calculators import memory_breakdown
+    from ddp_course.lecture05b_checks import SELF_CHECK
+
+    def rank_gb(global_batch=256, ranks=8, **options):
+        """Section 3's terms on one rank: 1 B fp32 parameters, Adam, 1 GB of activations per sample."""
+        return sum(memory_breakdown(1e9, global_batch // ranks, 1e9, **options).values()) / 1e9
+
+    right = rank_gb()
+    assert math.isclose(right, SELF_CHECK.expected)
+    assert verdict(SELF_CHECK, right).startswith("self-check: correct")
+    mistakes = {"no bucket copy": rank_gb(bucket_view=True), "the global batch on one rank": rank_gb(ranks=1),
+                "the model state divided by N": 20 / 8 + 32, "Adam's state as 4P": rank_gb(optimizer="SGD + momentum")}
+    for mistake, answer in mistakes.items():
+        assert verdict(SELF_CHECK, answer) == f"self-check: not yet - {SELF_CHECK.hint}", mistake
+    assert "section 3" in SELF_CHECK.hint
+    assert_stored_unanswered(LECTURES["5b"][0], "lecture05b_checks", SELF_CHECK)

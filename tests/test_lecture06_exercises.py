@@ -4,6 +4,7 @@ The solutions notebook's code cells run once in one namespace (module fixture, a
 check is one call, `check_exercise_N(answer)` (ddp_course/lecture06_checks.py); each test passes it
 a wrong answer a learner might write and expects "not yet"; the lecture's stubs must make the
 checks say "not solved yet". The solutions notebook opens with the lecture's set-up cell, copied.
+The last test proves the self-check's answer by resuming a sampler there (every sample trained on once).
 """
 
 import math
@@ -105,3 +106,49 @@ def test_exercise_3_rejects_sums(solved):
 
     for wrong in (total_sum, per_tensor_sums, weighted_float32_sum):
         assert check_verdict(namespace, 3, wrong) == "exercise 3: not yet", wrong.__name__
+
+
+# --- the self-check at the end of the Summary (ddp_course/self_check.py) -------------------------------
+
+
+def trains_every_sample_once(resume_at, num_samples=1000, batch=16, old_world=4, new_world=2, checkpoint_step=6):
+    """Section 4's resume: what the checkpoint's steps read on the old world, then the rest of the epoch read
+    from position resume_at on the new one. True when every sample is trained on exactly once."""
+    from ddp_course.resume import ResumableDistributedSampler
+
+    def shards(world_size, start):
+        samplers = [ResumableDistributedSampler(num_samples, world_size, rank, seed=0) for rank in range(world_size)]
+        for sampler in samplers:
+            sampler.set_epoch(0, start)
+        return [list(sampler) for sampler in samplers]
+
+    kept = [i for shard in shards(old_world, 0) for i in shard[: checkpoint_step * batch]]
+    trained = kept + [i for shard in shards(new_world, resume_at) for i in shard]
+    return len(trained) == num_samples and set(trained) == set(range(num_samples))
+
+
+@pytest.mark.timeout(60)
+def test_the_self_check_is_the_position_that_trains_every_sample_once():
+    from ddp_course.lecture06_checks import SELF_CHECK
+    from ddp_course.resume import ResumableDistributedSampler
+    from ddp_course.self_check import verdict
+
+    # The position is the count of distinct samples the 4-rank job read in the checkpoint's 6 steps.
+    read = set()
+    for rank in range(4):
+        sampler = ResumableDistributedSampler(1000, 4, rank)
+        sampler.set_epoch(0)
+        read |= set(list(sampler)[: 6 * 16])
+    assert len(read) == SELF_CHECK.expected
+    assert trains_every_sample_once(SELF_CHECK.expected)
+    assert verdict(SELF_CHECK, len(read)).startswith("self-check: correct")
+    mistakes = {"the batch count": 6, "the new world size": 6 * 16 * 2, "the crash's step": 9 * 16 * 4, "one rank's samples": 6 * 16}
+    for mistake, answer in mistakes.items():
+        assert not trains_every_sample_once(answer), mistake  # each skips or repeats samples
+        assert verdict(SELF_CHECK, answer) == f"self-check: not yet - {SELF_CHECK.hint}", mistake
+    assert "section 4" in SELF_CHECK.hint
+    cells = notebooks.cells_titled(LECTURE, "from ddp_course.lecture06_checks import SELF_CHECK")
+    assert len(cells) == 1
+    source, stdout = next(iter(cells.values()))
+    assert "answer = None" in source and "self_check(SELF_CHECK, answer)" in source
+    assert stdout.strip() == verdict(SELF_CHECK, None)

@@ -9,6 +9,7 @@
 - The check's stored measurements (MEASURED_FSDP_WIRE_BYTES) are what the lecture's job reported, and
   the ring-cost prediction the lecture quotes is ddp_course.sharding's.
 - The demo script refuses a single rank with one line, not a traceback.
+- The self-check's answer is the stage the lecture's own byte counts choose; classic mistakes get the hint.
 - The overlap story says what a gloo trace can show (review finding 2): the order of issue, with every
   gloo collective inside the FSDP span that issued it; the claims it replaced are gone everywhere.
 """
@@ -246,3 +247,39 @@ def test_the_lecture_measures_what_gloo_writes_beside_the_ring_model():
         assert re.search(rf"N={n} ZeRO-2 .* ring model .* = 1\.00 x DDP .*; gloo wrote 1\.5 x DDP's", outputs)
         assert re.search(rf"N={n} ZeRO-3 \(fully_shard\) .* = 1\.50 x DDP .*; gloo wrote 2\.0 x DDP's", outputs)
         assert re.search(rf"N={n} DDP .*; gloo wrote 1\.0 x DDP's", outputs)
+
+
+# --- the self-check at the end of the Summary (ddp_course/self_check.py) -------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_the_self_check_picks_the_stage_that_fits_and_sends_least():
+    from ddp_course.self_check import verdict
+    from ddp_course.sharding import STAGES, predicted_state_bytes
+
+    def choice(parameters=7e9, ranks=8, room=40e9, state=predicted_state_bytes):
+        """Of the stages whose model state fits in `room` bytes per rank, the one that sends the fewest
+        bytes (ties: the lower stage, which shards less); its number, 0 for DDP."""
+        weights = 4 * parameters
+        fits = [stage for stage in STAGES if state(stage, weights, 0.0, ranks) <= room]
+        return STAGES.index(min(fits, key=lambda stage: (predicted_bytes_per_step(stage, weights, 0.0, ranks), STAGES.index(stage))))
+
+    right = choice()
+    assert right == checks.SELF_CHECK.expected
+    assert verdict(checks.SELF_CHECK, right).startswith("self-check: correct")
+
+    def ddp_divided_by_n(stage, sharded, replicated, ranks):  # as if DDP's replicas were shards
+        return predicted_state_bytes(stage, sharded, replicated, ranks) / (ranks if stage == "ddp" else 1)
+
+    least_memory = min(STAGES, key=lambda stage: predicted_state_bytes(stage, 4 * 7e9, 0.0, 8))
+    mistakes = {"the least memory, whatever it sends": STAGES.index(least_memory), "the first stage that shards": 1,
+                "DDP's state divided by N": choice(state=ddp_divided_by_n)}
+    for mistake, answer in mistakes.items():
+        assert answer != right, mistake
+        assert verdict(checks.SELF_CHECK, answer) == f"self-check: not yet - {checks.SELF_CHECK.hint}", mistake
+    assert "section 1" in checks.SELF_CHECK.hint and "section 7" in checks.SELF_CHECK.hint
+    cells = cells_titled(LECTURE, "from ddp_course.lecture07_checks import SELF_CHECK")
+    assert len(cells) == 1
+    source, stdout = next(iter(cells.values()))
+    assert "answer = None" in source and "self_check(SELF_CHECK, answer)" in source
+    assert stdout.strip() == verdict(checks.SELF_CHECK, None)
