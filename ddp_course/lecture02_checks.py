@@ -19,9 +19,24 @@ import math
 
 import torch
 
+from ddp_course.self_check import Question
+
 # The lecture's illustrative link: 5 microseconds per message, 25 GB/s per direction.
 ALPHA = 5e-6  # s
 BETA = 25e9  # bytes/s
+
+# The self-check at the end of the Summary: 100 gradients of 40 kB on 8 ranks, one by one or in one bucket.
+# Both ways move the same bytes (2 x 280 microseconds of bandwidth terms cancel); each all-reduce pays
+# 2(N-1) = 14 latencies of 5 microseconds, so the bucket saves 99 x 70 = 6930 microseconds.
+SELF_CHECK = Question(
+    name="self-check",
+    expected=6930.0,
+    why="each all-reduce pays 2(N-1) alpha = 70 microseconds whatever its size, and both ways send the same "
+    "bytes, so one bucket instead of 100 saves 99 x 70 = 6930",
+    hint="reread section 3 (the alpha-beta model): which term of T_ring grows with the number of all-reduces, "
+    "which only with the total bytes, and how many latencies does one ring pay?",
+    relative_tolerance=0.005,  # 7000 (forgetting that the bucket pays its own latency) is 1% off
+)
 
 # DigitsCNN's 8 gradient tensors (numel), in float32: what the bucket check prices.
 DIGITS_CNN_TENSOR_BYTES = [4 * numel for numel in (288, 32, 18432, 64, 131072, 128, 1280, 10)]

@@ -18,6 +18,20 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from ddp_course.self_check import Question
+
+# The self-check at the end of the Summary: 3 nodes x 4 processes, each sampler built with
+# rank=LOCAL_RANK and num_replicas=WORLD_SIZE = 12, on 1,438 samples. LOCAL_RANK is 0-3 on every node,
+# so only shards 0-3 of 12 are read (each by 3 processes): 4 x 120 = 480 samples; 958 are never read.
+SELF_CHECK = Question(
+    name="self-check",
+    expected=100 * 958 / 1438,  # 66.6 %
+    why="LOCAL_RANK is 0-3 on every node, so only 4 of the 12 shards (4 x 120 = 480 samples) are read, each "
+    "3 times: 958 of 1,438, about two thirds, are never read",
+    hint="reread section 4 (rank and world-size mismatches): which shards do the 12 processes ask for, and how "
+    "many of the 12 does nobody ask for?",
+)
+
 
 def _not_solved(number: int, name: str) -> None:
     print(f"exercise {number}: not solved yet - fill in {name} above")

@@ -15,8 +15,22 @@ import sys
 from datetime import timedelta
 
 from ddp_course.launch import REPO_ROOT, free_port, import_script
+from ddp_course.self_check import Question
 
 DEMOS = REPO_ROOT / "lectures" / "scripts" / "ddp_internals_demos.py"
+
+# ----------------------------------------------------------------------------- the self-check
+# Section 4.1: a parameter's hook clips each rank's local gradient, then DDP averages the clipped ones.
+# Local gradients (3, 4) and (-3, 4), both of norm 5, clipped to norm 1: (0.6, 0.8) and (-0.6, 0.8),
+# whose mean (0, 0.8) has norm 0.8; clipping the averaged (0, 4) after backward() would give norm 1.
+SELF_CHECK = Question(
+    name="self-check",
+    expected=0.8,
+    why="each rank's hook scales its own gradient to norm 1, (0.6, 0.8) and (-0.6, 0.8); DDP averages them to "
+    "(0, 0.8): clipped by the wrong norm, and below max_norm",
+    hint="reread section 4.1 (where to clip): what does a parameter's hook see, and what does DDP do with "
+    "what the hook returns?",
+)
 
 # ----------------------------------------------------------------------------- the bucket drawing
 

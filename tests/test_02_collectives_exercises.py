@@ -20,6 +20,7 @@ import torch
 
 from ddp_course import lecture02_checks
 from ddp_course.launch import REPO_ROOT
+from ddp_course.self_check import verdict
 
 LECTURE = REPO_ROOT / "lectures" / "02_collectives.ipynb"
 SOLUTIONS = REPO_ROOT / "solutions" / "02_collectives_solutions.ipynb"
@@ -143,3 +144,35 @@ def test_beta_is_a_bandwidth_in_bytes_per_second():
         seconds = namespace[name]
         assert seconds(1e6, 8, 0.0, 50e9) == pytest.approx(seconds(1e6, 8, 0.0, 25e9) / 2), name
     assert namespace["ring_seconds"](1e6, 2, 1e-6, 25e9) == pytest.approx(2 * (1e-6 + 1e6 / 2 / 25e9))
+
+
+@pytest.mark.timeout(30)
+def test_the_self_check_is_the_latency_one_bucket_saves_by_the_lectures_ring():
+    """The expected saving from the lecture's own ring (its trace gives the steps and each step's chunk)
+    and its own link (the shared cell's ALPHA and BETA), not from the formula the Question states."""
+    lecture = nbformat.read(LECTURE, as_version=4).cells
+    [ring_cell] = [cell.source for cell in lecture if cell.source.startswith("def ring_reduce_scatter(")]
+    shared = [cell.source for cell in lecture if "shared" in cell.metadata.get("tags", [])]
+    namespace, _ = run_cells(*shared, ring_cell)
+    world_size, gradients, gradient_bytes = 8, 100, 40e3
+    trace = []
+    namespace["ring_all_reduce"]([torch.zeros(world_size)] * world_size, trace=trace)
+    steps = len(trace) - 1  # the first entry is the starting state
+    assert all(sizes == [1] * world_size for sizes in (step["sizes"] for step in trace[1:]))  # one N-th each step
+
+    def ring_microseconds(n_bytes):  # every step: one message of an N-th of the data over every link at once
+        return 1e6 * steps * (namespace["ALPHA"] + n_bytes / world_size / namespace["BETA"])
+
+    saved = gradients * ring_microseconds(gradient_bytes) - ring_microseconds(gradients * gradient_bytes)
+    question = lecture02_checks.SELF_CHECK
+    assert question.expected == pytest.approx(saved)
+    assert verdict(question, saved).startswith("self-check: correct - ")
+    latency = 1e6 * namespace["ALPHA"]
+    forgot_the_buckets_own_latency = gradients * steps * latency  # 7000
+    one_latency_per_all_reduce = (gradients - 1) * latency  # 495: alpha once, not once per ring step
+    one_phase_only = (gradients - 1) * (world_size - 1) * latency  # 3465: the reduce-scatter's steps only
+    for wrong in (forgot_the_buckets_own_latency, one_latency_per_all_reduce, one_phase_only):
+        assert verdict(question, wrong) == f"self-check: not yet - {question.hint}", wrong
+    [(source, outputs)] = [(c.source, c.outputs) for c in lecture if c.cell_type == "code" and "self_check(SELF_CHECK, answer)" in c.source]
+    assert "from ddp_course.lecture02_checks import SELF_CHECK" in source and "answer = None" in source
+    assert "".join(out.get("text", "") for out in outputs).strip() == verdict(question, None)

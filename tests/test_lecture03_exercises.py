@@ -17,6 +17,7 @@ from torch.utils.data import DistributedSampler, Sampler
 
 from ddp_course import lecture03_checks
 from ddp_course.launch import REPO_ROOT
+from ddp_course.self_check import verdict
 from ddp_course.authoring.notebooks import cells_titled, not_solved_verdicts, run_all_cells, run_source
 
 LECTURE = REPO_ROOT / "lectures" / "03_samplers.ipynb"
@@ -147,3 +148,26 @@ def test_exercise_3_rejects_scattered_reads_uneven_shards_and_global_randomness(
 
     for wrong in (Strided, WholeFilesRoundRobin, GlobalRandomState):
         assert check_verdict(3, wrong) == "exercise 3: not yet", wrong.__name__
+
+
+@pytest.mark.timeout(30)
+def test_the_self_check_is_the_share_of_samples_a_local_rank_sampler_never_reads():
+    """Counted with torch's sampler: 12 processes on 3 nodes of 4, each passing its LOCAL_RANK as rank."""
+    n, nodes, per_node = 1438, 3, 4
+    world_size = nodes * per_node
+    read = set()
+    for global_rank in range(world_size):
+        local_rank = global_rank % per_node
+        read.update(DistributedSampler(range(n), num_replicas=world_size, rank=local_rank, shuffle=True, seed=0))
+    never_read_percent = 100 * (n - len(read)) / n
+    question = lecture03_checks.SELF_CHECK
+    assert question.expected == pytest.approx(never_read_percent)
+    assert verdict(question, never_read_percent).startswith("self-check: correct - ")
+    two_nodes_of_two = 50.0  # section 4's example (half never read), not worked out for 3 nodes of 4
+    counted_as_fine = 0.0  # the job raises nothing
+    the_share_read = 100 - never_read_percent
+    for wrong in (two_nodes_of_two, counted_as_fine, the_share_read):
+        assert verdict(question, wrong) == f"self-check: not yet - {question.hint}", wrong
+    [(source, stored)] = [(s, out) for title, (s, out) in cells_titled(LECTURE, "from ddp_course.lecture03_checks import SELF_CHECK").items()]
+    assert "self_check(SELF_CHECK, answer)" in source and "answer = None" in source
+    assert stored.strip() == verdict(question, None)

@@ -183,3 +183,33 @@ def test_exercise_3_rejects_rank_as_device_visible_list_index_missing_timeout_an
         assert check_verdict(namespace, 3, wrong) == "exercise 3: not yet", wrong.__name__
     assert check_verdict(namespace, 3, solution) == "exercise 3: correct"
     assert isinstance(solution({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}, False)[1]["timeout"], timedelta)
+
+
+@pytest.mark.timeout(30)
+def test_the_self_check_is_the_norm_after_clipping_in_a_hook_then_averaging():
+    """Each rank clips its local gradient with torch's clip_grad_norm_ (what a hook would do), then the
+    all-reduce averages the clipped gradients: the norm the optimizer sees."""
+    import torch
+
+    from ddp_course.lecture04_checks import SELF_CHECK
+    from ddp_course.self_check import verdict
+
+    local_gradients = [torch.tensor([3.0, 4.0]), torch.tensor([-3.0, 4.0])]
+    clipped = []
+    for gradient in local_gradients:
+        parameter = torch.nn.Parameter(torch.zeros(2))
+        parameter.grad = gradient.clone()
+        torch.nn.utils.clip_grad_norm_([parameter], max_norm=1.0)
+        clipped.append(parameter.grad)
+    stepped_norm = torch.stack(clipped).mean(dim=0).norm().item()
+    assert SELF_CHECK.expected == pytest.approx(stepped_norm, rel=1e-5)
+    assert verdict(SELF_CHECK, stepped_norm).startswith("self-check: correct - ")
+    averaged = torch.stack(local_gradients).mean(dim=0)
+    clipped_after_backward = min(1.0, averaged.norm().item())  # the right place: max_norm reached
+    not_clipped = averaged.norm().item()  # the averaged gradient's own norm, 4
+    one_rank_unclipped = local_gradients[0].norm().item()  # 5
+    for wrong in (clipped_after_backward, not_clipped, one_rank_unclipped):
+        assert verdict(SELF_CHECK, wrong) == f"self-check: not yet - {SELF_CHECK.hint}", wrong
+    [(source, stored)] = notebooks.cells_titled(LECTURE, "from ddp_course.lecture04_checks import SELF_CHECK").values()
+    assert "self_check(SELF_CHECK, answer)" in source and "answer = None" in source
+    assert stored.strip() == verdict(SELF_CHECK, None)
