@@ -72,6 +72,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from ddp_course.checking.verdict import summary
 from ddp_course.data import load_digits
 from ddp_course.launch import REPO_ROOT, import_script, run_command, run_torchrun
 
@@ -917,7 +918,7 @@ def test_lab4_solution_passes_all_seven_checks(checker, jobs):
     assert all(line.startswith("PASS ") for line in lines.values()), lines
     assert "in epoch 0 the ranks read disjoint shares (719, 719 samples) covering all 1438" in lines[1]
     assert re.search(r"reported eval_accuracy 0\.\d{4} is the saved model's on all 359 held-out images", lines[6])
-    assert checker.summary(verdicts) == ("result: 7 passed, 0 failed, 0 blocked of 7 checks", 0)
+    assert summary(verdicts) == ("result: 7 passed, 0 failed, 0 blocked of 7 checks", 0)
 
 
 @pytest.mark.timeout(700)
