@@ -1,10 +1,13 @@
 """Lecture 1's code that a reader does not need to read: the exercise checks and the communication calculator.
 
-A check is one call in the notebook, `check_exercise_1(rank_token_loss)`: it builds a case, runs the
+A check is one call in the notebook, `check_exercise_1(accumulate_step)`: it builds a case, runs the
 learner's function on every virtual rank, compares the result with one process, and prints its
-verdict on the last line ("exercise N: correct", "... not yet", or "... not solved yet ..." while the
+verdict on the last line ("exercise N: correct", "... not yet - <why>", or "... not solved yet ..." while the
 function still raises NotImplementedError). The optional notebook "Beyond data parallelism" checks its
 exercise with `check_tensor_parallel_backward(rank_backward)`.
+
+Sections 2 and 3 draw their figures with `draw_gradient_arrows` and `draw_gaps` (the cells print the
+numbers a learner reads; only the drawing is here).
 
 The calculator draws, for one model size P, world size N and gradient precision, the lower-bound time
 of one ring all-reduce on each link (one bar per link); `communication_calculator()` is the widget,
@@ -15,6 +18,7 @@ formula and that moving a slider redraws it.
 from __future__ import annotations
 
 import base64
+import copy
 import io
 import threading
 
@@ -22,9 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddp_course.compare import max_relative_difference
-from ddp_course.models import DigitsCNN
-from ddp_course.seeding import seed_everything
 from ddp_course.self_check import Question
 
 # --- the self-check (the end of the Summary) -------------------------------------------------------
@@ -42,73 +43,72 @@ SELF_CHECK = Question(
 # --- exercise checks ------------------------------------------------------------------------------
 
 
-def check_exercise_1(rank_token_loss) -> None:
-    """Exercise 1: DDP's average of each rank's rank_token_loss gradient = the global per-token mean's."""
-    torch.manual_seed(0)
-    world_size, length, vocab = 2, 6, 5
-    # float64: a right answer agrees to about 1e-16, far inside allclose's tolerance, on any CPU
-    token_model = nn.Linear(4, vocab).double()  # a stand-in language model: token features -> logits
-    features = torch.randn(world_size, 3, length, 4).double()  # (rank, sequences, length, features)
-    targets = torch.randint(vocab, (world_size, 3, length))
-    mask = torch.zeros(world_size, 3, length, dtype=torch.bool)
-    mask[0, :, :5] = True  # rank 0: 15 real tokens
-    mask[1, 0, :2] = True  # rank 1: 2 real tokens
-    global_real_tokens = int(mask.sum())
+def check_exercise_1(accumulate_step) -> None:
+    """Exercise 1: the last step of an epoch, 2 virtual ranks x 2 micro-batches of padded sequences.
 
-    def token_losses(rank):
-        logits = token_model(features[rank])  # (sequences, length, vocab)
-        return F.cross_entropy(logits.transpose(1, 2), targets[rank], reduction="none")
-
-    def gradient(loss):
-        token_model.zero_grad()
-        loss.backward()
-        return torch.cat([p.grad.flatten() for p in token_model.parameters()])
-
-    reference = gradient(sum((token_losses(r) * mask[r]).sum() for r in range(world_size)) / global_real_tokens)
-    try:
-        per_rank = [gradient(rank_token_loss(token_losses(r), mask[r], global_real_tokens, world_size))
-                    for r in range(world_size)]  # fmt: skip
-    except NotImplementedError:
-        print("exercise 1: not solved yet - fill in rank_token_loss above")
-        return
-    ddp_gradient = torch.stack(per_rank).mean(dim=0)  # what DDP's all-reduce gives every rank
-    naive = torch.stack([gradient((token_losses(r) * mask[r]).sum() / mask[r].sum()) for r in range(world_size)])
-    print("naive per-rank token mean equals the global token mean:", torch.allclose(naive.mean(dim=0), reference))
-    print("exercise 1:", "correct" if torch.allclose(ddp_gradient, reference, atol=1e-6) else "not yet")
-
-
-def check_exercise_2(accumulate_gradients) -> None:
-    """Exercise 2: 2 virtual ranks x micro-batches of 10 and 6 = one process on the global batch of 32.
-
-    The micro-batches differ in size, as an epoch's last one does: dividing each micro-batch's mean
-    loss by their number then weights a sample of the short one more than one of the long one, and
-    fails; every sample must count once in the mean.
+    The four micro-batches hold 15, 4, 6 and 2 real tokens: each rank's loss must be its real tokens'
+    summed loss over the GLOBAL count (which needs one all-reduce, before the first backward) times the
+    world size (DDP's mean divides by it). Runs each rank in a thread (`run_virtual_ranks`, the optional
+    notebook's harness), averages the ranks' .grad as DDP's all-reduce does, and compares with one process
+    on every real token. A FAIL names the concept: the tokens' weights, the scale, the number of
+    backward() calls, or ranks that disagree on the collectives.
     """
-    micro_batch_sizes, world_size = [10, 6], 2
-    per_rank_batch = sum(micro_batch_sizes)
-    global_batch = per_rank_batch * world_size
-    seed_everything(0)
-    images, labels = torch.randn(global_batch, 1, 8, 8), torch.randint(10, (global_batch,))  # digit-shaped
-    # float64: a right answer agrees to about 1e-15, so the 1e-5 below only separates right from wrong
-    images, model = images.double(), DigitsCNN().double()
+    torch.manual_seed(0)
+    world_size, sequences, length, features, vocab = 2, 3, 6, 4, 5
+    real_per_sequence = {(0, 0): [6, 6, 3], (0, 1): [4, 0, 0], (1, 0): [3, 2, 1], (1, 1): [2, 0, 0]}  # (rank, micro)
+    # float64: a right answer agrees to about 1e-16, far inside allclose's tolerance, on any CPU
+    token_model = nn.Linear(features, vocab).double()  # a stand-in language model: token features -> logits
+    rank_micro_batches = []
+    for rank in range(world_size):
+        micro_batches = []
+        for micro in range(2):
+            inputs = torch.randn(sequences, length, features, dtype=torch.float64)
+            targets = torch.randint(vocab, (sequences, length))
+            mask = torch.arange(length) < torch.tensor(real_per_sequence[rank, micro])[:, None]  # right padding
+            micro_batches.append((inputs, targets, mask))
+        rank_micro_batches.append(micro_batches)
 
-    model.zero_grad()
-    F.cross_entropy(model(images), labels).backward()  # one process, global batch of 32
-    reference = {name: p.grad.clone() for name, p in model.named_parameters()}
+    def masked_sum(model, inputs, targets, mask):
+        return (F.cross_entropy(model(inputs).transpose(1, 2), targets, reduction="none") * mask).sum()
 
-    rank_gradients = []
-    for rank_images, rank_labels in zip(images.chunk(world_size), labels.chunk(world_size)):
-        micro_batches = list(zip(rank_images.split(micro_batch_sizes), rank_labels.split(micro_batch_sizes)))
-        try:
-            accumulate_gradients(model, micro_batches)
-        except NotImplementedError:
-            print("exercise 2: not solved yet - fill in accumulate_gradients above")
-            return
-        rank_gradients.append({name: p.grad.clone() for name, p in model.named_parameters()})
-    averaged = {name: (rank_gradients[0][name] + rank_gradients[1][name]) / 2 for name in reference}
-    print(f"global batch = ({' + '.join(map(str, micro_batch_sizes))}) x {world_size} = {global_batch}")
-    ok = max_relative_difference(averaged, reference) < 1e-5
-    print("exercise 2:", "correct" if ok else "not yet")
+    everything = [batch for micro_batches in rank_micro_batches for batch in micro_batches]
+    token_model.zero_grad()
+    (sum(masked_sum(token_model, *batch) for batch in everything) / sum(int(m.sum()) for *_, m in everything)).backward()
+    reference = torch.cat([p.grad.flatten() for p in token_model.parameters()])
+
+    replicas, backward_calls = [copy.deepcopy(token_model) for _ in range(world_size)], [0] * world_size
+    for rank, replica in enumerate(replicas):
+        replica.weight.register_hook(lambda grad, rank=rank: backward_calls.__setitem__(rank, backward_calls[rank] + 1))
+
+    def one_rank(replica, micro_batches, all_reduce):
+        accumulate_step(replica, micro_batches, world_size, lambda value: all_reduce(torch.as_tensor(value)))
+
+    try:
+        run_virtual_ranks(one_rank, list(zip(replicas, rank_micro_batches)), timeout_s=5)
+    except NotImplementedError:
+        print("exercise 1: not solved yet - fill in accumulate_step above")
+        return
+    except threading.BrokenBarrierError:
+        print("exercise 1: not yet - the ranks called all_reduce a different number of times (a real job hangs)")
+        return
+    counts = ", ".join(f"rank {r}: {' + '.join(str(int(m.sum())) for *_, m in mbs)}" for r, mbs in enumerate(rank_micro_batches))
+    print(f"real tokens per micro-batch: {counts}")
+    if any(p.grad is None for replica in replicas for p in replica.parameters()):
+        print("exercise 1: not yet - no gradient in .grad: call backward() on each micro-batch's loss")
+        return
+    ddp_gradient = torch.stack([torch.cat([p.grad.flatten() for p in r.parameters()]) for r in replicas]).mean(dim=0)
+    if backward_calls != [2] * world_size:
+        print(f"exercise 1: not yet - backward() ran {backward_calls} times per rank: once per micro-batch, so that "
+              "only one micro-batch's activations live at a time")
+    elif torch.allclose(ddp_gradient, reference):
+        print("exercise 1: correct")
+    elif F.cosine_similarity(ddp_gradient, reference, dim=0) > 1 - 1e-9:  # the right direction, the wrong size
+        scale = float(ddp_gradient.norm() / reference.norm())
+        print(f"exercise 1: not yet - the right direction, {scale:.3g} times the right size: which count divides, "
+              "and what does DDP's mean divide by (section 5.1)?")
+    else:
+        print("exercise 1: not yet - the tokens are not weighted equally: which count divides each micro-batch's "
+              "sum, and which ranks' tokens does it count (section 5.1)?")
 
 
 def run_virtual_ranks(rank_function, per_rank_args, timeout_s=10):
@@ -176,6 +176,43 @@ def check_tensor_parallel_backward(rank_backward) -> None:
     print("the ranks' weight-gradient shards, put together, equal autograd's:", same_weights)
     print(f"all-reduces in the backward pass: {len(calls)}, of shapes {calls}")
     print("exercise 1:", "correct" if same_x and same_weights and len(calls) <= 1 else "not yet")
+
+
+# --- section 2's and section 3's figures (the lecture prints the numbers; these only draw them) --------
+
+
+def draw_gradient_arrows(rank_gradients, full_batch_gradient, averaged_gradient):
+    """Section 2: each rank's 2-d gradient as a grey arrow, the full-batch one as a thick blue arrow and the
+    ranks' average as an orange dot on its tip (the figure shows that the average lands exactly there)."""
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots(figsize=(5, 4))
+    for rank, gradient in enumerate(rank_gradients):
+        ax.annotate("", xy=gradient.tolist(), xytext=(0, 0), arrowprops=dict(arrowstyle="->", color="tab:gray"))
+        ax.text(*gradient.tolist(), f" rank {rank}", color="tab:gray")
+    ax.annotate("", xy=full_batch_gradient.tolist(), xytext=(0, 0), arrowprops=dict(arrowstyle="->", lw=3, color="tab:blue"))
+    ax.plot(*averaged_gradient.tolist(), "o", color="tab:orange", markersize=10, label=f"average of the {len(rank_gradients)} ranks")
+    ax.plot([], [], color="tab:blue", lw=3, label="full-batch gradient")  # a legend entry for the arrow
+    ax.set(xlabel="dL/dw[0]", ylabel="dL/dw[1]", title=f"{len(rank_gradients)} virtual ranks, 2 samples each")
+    ax.axhline(0, color="k", lw=0.5)
+    ax.axvline(0, color="k", lw=0.5)
+    ax.legend(loc="upper right")
+    corners = torch.stack(list(rank_gradients) + [torch.zeros_like(full_batch_gradient)])  # arrows do not autoscale
+    ax.set_xlim(corners[:, 0].min() - 2, corners[:, 0].max() + 4)
+    ax.set_ylim(corners[:, 1].min() - 2, corners[:, 1].max() + 2)
+
+
+def draw_gaps(gaps, tolerance):
+    """Section 3: {run: [max relative difference from one process after each step]} on a log scale, with
+    the tolerance as a dashed line (DDP's curve stays under it, the control's far above)."""
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots(figsize=(6, 3.5))
+    for label, values in gaps.items():
+        ax.semilogy(range(1, len(values) + 1), values, marker=".", label=label)
+    ax.axhline(tolerance, color="k", ls="--", lw=1, label=f"tolerance {tolerance:g}")
+    ax.set(xlabel="optimizer step", ylabel="max relative difference\nfrom one process, batch 32", ylim=(1e-9, 10))
+    ax.legend(fontsize=8)
 
 
 # --- the communication calculator -----------------------------------------------------------------

@@ -199,7 +199,7 @@ def test_lecture_exercises_solutions_pass_and_untouched_stubs_fail_in_one_worker
     rows = grade.graded_lectures([*solved, *untouched])
     starters = [r for r in rows if r.exercise.endswith("-untouched")]
     solutions = [r for r in rows if not r.exercise.endswith("-untouched")]
-    assert len(solutions) == len(starters) == 5
+    assert len(solutions) == len(starters) == 4  # lecture 1: 1 exercise, lecture 2: 3
     assert all(r.status == "PASS" and r.reason.startswith("correct") for r in solutions), solutions
     # Lecture 2's checks word it their own way ("not done yet: complete the cell above ...").
     assert all(r.status == "FAIL" and r.reason.startswith(("not solved yet", "not done yet")) for r in starters), starters
@@ -209,18 +209,24 @@ def test_a_learners_cell_that_raises_or_hangs_fails_its_row_only(tmp_path, monke
     """A broken answer is a FAIL with its reason, not a crash of the grader; a loop stops at the cell limit."""
     import nbformat
 
-    lecture = nbformat.read(REPO_ROOT / "lectures" / "01_data_parallelism.ipynb", as_version=4)
-    for cell in lecture.cells:
-        if cell.cell_type == "code" and cell.source.startswith("# Exercise 1:"):
-            cell.source = "# Exercise 1: a token-level loss\ndef rank_token_loss(*args):\n    return 1 / 0\n"  # the title changed too
-        if cell.cell_type == "code" and cell.source.startswith("# Exercise 2:"):
-            cell.source = cell.source.split("\n")[0] + "\nwhile True:\n    pass\n"
-    nbformat.write(lecture, tmp_path / "01_data_parallelism.ipynb")
-    monkeypatch.setattr(grade, "CELL_TIMEOUT_S", 2)
-    rows = grade.grade_lecture("lecture1", tmp_path / "01_data_parallelism.ipynb", REPO_ROOT / "solutions" / "01_data_parallelism_solutions.ipynb")
-    assert [(r.check, r.status) for r in rows] == [("exercise 1", "FAIL"), ("exercise 2", "FAIL")]
-    assert rows[0].reason.startswith("no cell starting with '# Exercise 1: a token-level loss on ranks"), rows[0].reason
-    assert rows[1].reason == "your exercise cell raised CellTimeout: still running after 2 s", rows[1].reason
+    solved = REPO_ROOT / "solutions" / "01_data_parallelism_solutions.ipynb"
+    reasons = []
+    for answer in ("# Exercise 1: a token-level loss\ndef accumulate_step(*args):\n    return 1 / 0\n",  # the title changed too
+                   None):  # the title kept, the body a loop
+        if answer is None:
+            # Only now: the set-up cell's first, cold imports (torch, matplotlib) can take over 2 s on a loaded machine.
+            monkeypatch.setattr(grade, "CELL_TIMEOUT_S", 2)
+        lecture = nbformat.read(REPO_ROOT / "lectures" / "01_data_parallelism.ipynb", as_version=4)
+        for cell in lecture.cells:
+            if cell.cell_type == "code" and cell.source.startswith("# Exercise 1:"):
+                cell.source = answer or cell.source.split("\n")[0] + "\nwhile True:\n    pass\n"
+        nbformat.write(lecture, tmp_path / "01_data_parallelism.ipynb")
+        rows = grade.grade_lecture("lecture1", tmp_path / "01_data_parallelism.ipynb", solved)
+        assert [(r.check, r.status) for r in rows] == [("exercise 1", "FAIL")]
+        reasons.append(rows[0].reason)
+    # the grader prints the title with repr(), which quotes it with " because it holds an apostrophe
+    assert reasons[0].startswith('no cell starting with "# Exercise 1: the last step of an epoch'), reasons[0]
+    assert reasons[1] == "your exercise cell raised CellTimeout: still running after 2 s", reasons[1]
 
 
 @pytest.mark.timeout(240)

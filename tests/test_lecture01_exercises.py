@@ -1,7 +1,7 @@
 """Lecture 1's exercise checks (and the optional notebook's) accept the solutions and reject plausible wrong answers.
 
 The checks live in ddp_course/lecture01_checks.py, so a notebook's check cell is one call such as
-`check_exercise_1(rank_token_loss)`. Here each check is called with the solution (taken from the
+`check_exercise_1(accumulate_step)`. Here each check is called with the solution (taken from the
 solutions notebook), with the lecture's untouched stub, and with wrong answers a learner might
 write: "correct", "not solved yet" and "not yet" respectively. A check that cannot fail, or a
 solution that stops passing, turns a test red. The optional notebook's exercise, its solution and
@@ -55,8 +55,8 @@ def cells_tagged(path, tag) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_the_solutions_pass_their_checks():
-    assert verdict(checks.check_exercise_1, exercise_function(SOLUTIONS, 1, "rank_token_loss")) == "exercise 1: correct"
-    assert verdict(checks.check_exercise_2, exercise_function(SOLUTIONS, 2, "accumulate_gradients")) == "exercise 2: correct"
+    printed = printed_by(checks.check_exercise_1, exercise_function(SOLUTIONS, 1, "accumulate_step"))
+    assert printed.strip().splitlines() == ["real tokens per micro-batch: rank 0: 15 + 4, rank 1: 6 + 2", "exercise 1: correct"]
     printed = printed_by(checks.check_tensor_parallel_backward, exercise_function(OPTIONAL_SOLUTIONS, 1, "rank_backward"))
     assert "all-reduces in the backward pass: 1, of shapes [(3, 8)]" in printed
     assert printed.strip().endswith("exercise 1: correct")
@@ -64,42 +64,72 @@ def test_the_solutions_pass_their_checks():
 
 @pytest.mark.timeout(60)
 def test_the_stubs_say_not_solved_yet():
-    assert verdict(checks.check_exercise_1, exercise_function(LECTURE, 1, "rank_token_loss")) == (
-        "exercise 1: not solved yet - fill in rank_token_loss above")
-    assert verdict(checks.check_exercise_2, exercise_function(LECTURE, 2, "accumulate_gradients")) == (
-        "exercise 2: not solved yet - fill in accumulate_gradients above")
+    assert verdict(checks.check_exercise_1, exercise_function(LECTURE, 1, "accumulate_step")) == (
+        "exercise 1: not solved yet - fill in accumulate_step above")
     assert verdict(checks.check_tensor_parallel_backward, exercise_function(OPTIONAL, 1, "rank_backward")) == (
         "exercise 1: not solved yet - fill in rank_backward above")
 
 
+def masked_sum(model, inputs, targets, mask):
+    return (F.cross_entropy(model(inputs).transpose(1, 2), targets, reduction="none") * mask).sum()
+
+
+def global_token_count(micro_batches, all_reduce):
+    return all_reduce(sum(mask.sum() for *_, mask in micro_batches))
+
+
 @pytest.mark.timeout(60)
-def test_exercises_1_and_2_reject_the_classic_mistakes():
-    def mean_per_rank(token_losses, mask, global_real_tokens, world_size):
-        return (token_losses * mask).sum() / mask.sum()  # weights a rank's tokens by its own count
+def test_exercise_1_rejects_the_classic_mistakes_and_says_which_concept():
+    """Each wrong answer a learner might write gets "not yet" with the concept it misses."""
 
-    def forgets_world_size(token_losses, mask, global_real_tokens, world_size):
-        return (token_losses * mask).sum() / global_real_tokens  # DDP's mean then divides by N once more
-
-    def sum_of_means(model, micro_batches):
+    def mean_per_rank(model, micro_batches, world_size, all_reduce):
         model.zero_grad()
-        for images, labels in micro_batches:
-            F.cross_entropy(model(images), labels).backward()  # not divided by the number of micro-batches
+        tokens = sum(mask.sum() for *_, mask in micro_batches)  # this rank's count: ranks weigh the same
+        for batch in micro_batches:
+            (masked_sum(model, *batch) / tokens).backward()
 
-    def mean_over_k(model, micro_batches):
+    def mean_over_k(model, micro_batches, world_size, all_reduce):
         model.zero_grad()
-        for images, labels in micro_batches:
-            # right only when the micro-batches are equally sized: a sample of the short one weighs more
-            (F.cross_entropy(model(images), labels) / len(micro_batches)).backward()
+        for inputs, targets, mask in micro_batches:
+            # each micro-batch's token mean / k: a token of the short micro-batch weighs more
+            (masked_sum(model, inputs, targets, mask) / mask.sum() / len(micro_batches)).backward()
 
-    def last_micro_batch_only(model, micro_batches):
-        for images, labels in micro_batches:
-            model.zero_grad()  # each backward throws the previous micro-batch away
-            F.cross_entropy(model(images), labels).backward()
+    def padding_counted(model, micro_batches, world_size, all_reduce):
+        model.zero_grad()
+        positions = all_reduce(torch.tensor(sum(mask.numel() for *_, mask in micro_batches)))  # padding counted
+        for batch in micro_batches:
+            (masked_sum(model, *batch) * world_size / positions).backward()
 
-    for wrong in (mean_per_rank, forgets_world_size):
-        assert verdict(checks.check_exercise_1, wrong) == "exercise 1: not yet", wrong.__name__
-    for wrong in (sum_of_means, mean_over_k, last_micro_batch_only):
-        assert verdict(checks.check_exercise_2, wrong) == "exercise 2: not yet", wrong.__name__
+    def forgets_world_size(model, micro_batches, world_size, all_reduce):
+        model.zero_grad()
+        tokens = global_token_count(micro_batches, all_reduce)
+        for batch in micro_batches:
+            (masked_sum(model, *batch) / tokens).backward()  # DDP's mean then divides by N once more
+
+    def one_backward(model, micro_batches, world_size, all_reduce):
+        model.zero_grad()
+        tokens = global_token_count(micro_batches, all_reduce)
+        (sum(masked_sum(model, *batch) for batch in micro_batches) * world_size / tokens).backward()  # all activations at once
+
+    def all_reduce_on_rank_0_only(model, micro_batches, world_size, all_reduce):
+        model.zero_grad()
+        tokens = sum(mask.sum() for *_, mask in micro_batches)
+        if micro_batches[0][2].sum() == 15:  # rank 0 (15 real tokens in its first micro-batch)
+            tokens = all_reduce(tokens)  # rank 1 never joins: in a job, a hang
+        for batch in micro_batches:
+            (masked_sum(model, *batch) * world_size / tokens).backward()
+
+    expected = {
+        mean_per_rank: "the tokens are not weighted equally",
+        mean_over_k: "the tokens are not weighted equally",
+        padding_counted: "the right direction, 0.375 times the right size",  # 27 real tokens of 72 positions
+        forgets_world_size: "the right direction, 0.5 times the right size",
+        one_backward: "backward() ran [1, 1] times per rank",
+        all_reduce_on_rank_0_only: "the ranks called all_reduce a different number of times",
+    }
+    for wrong, concept in expected.items():
+        said = verdict(checks.check_exercise_1, wrong)
+        assert said.startswith(f"exercise 1: not yet - {concept}"), (wrong.__name__, said)
 
 
 def local_gradients(x, w1_r, w2_r, grad_y):
