@@ -2,6 +2,8 @@
 saves, and the training runs they measure (lab 5's MLP, 16 layers of 256).
 
     peak_allocated_bytes(training_run("adam", use_ddp=True))   # bytes, a step's peak over 2 steps
+    step_flops(segments=4) / step_flops(segments=0)             # what checkpointing recomputes
+    seconds_per_step(segments=4) / seconds_per_step(segments=0)  # what that costs on this machine
 
 The peak is the running sum of every allocation and free the profiler records (`profile_memory=True`),
 so it needs no GPU: on one, `torch.cuda.max_memory_allocated()` gives the same quantity directly.
@@ -13,12 +15,15 @@ from __future__ import annotations
 
 import gc
 import math
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
 
 from ddp_course.models import WideMLP
 
@@ -95,3 +100,27 @@ def checkpointed_forward(model: WideMLP, inputs: torch.Tensor, segments: int) ->
         piece = torch.nn.Sequential(*layers[start : start + size])
         inputs = checkpoint(piece, inputs, use_reentrant=False)
     return inputs
+
+
+def step_flops(segments: int = 0) -> int:
+    """FLOPs of one forward + backward of the memory model at MEMORY_BATCH, as torch counts them
+    (FlopCounterMode); segments > 0 checkpoints it, so backward recomputes the forward pass."""
+    model, inputs = memory_model(), torch.randn(MEMORY_BATCH, MEMORY_FEATURES)
+    with FlopCounterMode(display=False) as counter:
+        logits = checkpointed_forward(model, inputs, segments) if segments else model(inputs)
+        F.cross_entropy(logits, torch.zeros(MEMORY_BATCH, dtype=torch.long)).backward()
+    return counter.get_total_flops()
+
+
+def seconds_per_step(segments: int = 0, repeats: int = 5) -> float:
+    """Median wall time of one forward + backward (segments as in step_flops): a live timing, so the
+    lecture prints it in a cell nbval does not compare."""
+    model, inputs = memory_model(), torch.randn(MEMORY_BATCH, MEMORY_FEATURES)
+    labels = torch.zeros(MEMORY_BATCH, dtype=torch.long)
+    times = []
+    for _ in range(repeats):  # the median of a few: one slow step (another process, a page fault) does not count
+        started = time.perf_counter()
+        logits = checkpointed_forward(model, inputs, segments) if segments else model(inputs)
+        F.cross_entropy(logits, labels).backward()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)

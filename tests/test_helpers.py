@@ -520,3 +520,14 @@ def test_train_flops_per_sample_counts_forward_and_both_gradients_of_every_produ
     # except for the first layer, whose input (the data) needs no gradient
     expected = 2 * sum(weights) + 2 * sum(weights) + 2 * sum(weights[1:])
     assert train_flops_per_sample("wide_mlp", (256,)) == expected
+
+
+def test_lecture_5bs_step_flops_count_the_same_products_and_checkpointing_only_adds_forward_work():
+    """memory_peaks.step_flops (lecture 5b, section 4): the plain step is the count derived above, at the batch."""
+    from ddp_course.memory_peaks import MEMORY_BATCH, memory_model, step_flops
+
+    weights = [layer.weight.numel() for layer in memory_model().layers if isinstance(layer, torch.nn.Linear)]
+    plain = (2 * sum(weights) + 2 * sum(weights) + 2 * sum(weights[1:])) * MEMORY_BATCH
+    assert step_flops(segments=0) == plain
+    forward = 2 * sum(weights) * MEMORY_BATCH
+    assert plain < step_flops(segments=4) <= plain + forward  # backward recomputes at most one forward pass
