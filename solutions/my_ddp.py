@@ -21,7 +21,7 @@ The decisions, each behind a check of labs/lab3_convert_check.py (labs/convert_c
   SyncBatchNorm would average the statistics over ranks at every forward; torch 2.14 runs it on GPUs
   only, and it changes what a step computes (it is then one process on the ranks' micro-batches
   together), so it is a choice, not a fix.
-- The learning-rate schedule counts optimizer steps: an epoch is this rank's batches / accumulation.
+- The learning-rate schedule counts optimizer steps: an epoch is this rank's batches / accumulation, rounded up.
 - Accumulation: the first micro-batches of a step run under no_sync(), so one all-reduce per step.
 - Clipping: after the backward that all-reduces, once per optimizer step: the norm of the averaged
   gradient, the same on every rank.

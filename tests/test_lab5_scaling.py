@@ -237,7 +237,7 @@ def test_the_self_check_scales_the_learning_rate_with_comm_bounds_global_batch(l
 
     notebook = REPO_ROOT / "labs" / "lab5_scaling.ipynb"
     per_rank = lab5.CONFIGS["comm_bound"].batch_size
-    _, sizes = stored_cell(notebook, "model_sizes = {}")
+    _, sizes = stored_cell(notebook, "model_sizes = configuration_sizes(")
     assert re.search(rf"comm_bound +\w+ +batch +{per_rank} per rank", sizes), sizes  # what the learner read there
     # The recipe and the rule as the sheet's stored table applies them: peak lr = 0.1 x global batch / 32.
     _, table = stored_cell(notebook, "base_lr, base_batch, warmup_epochs")
