@@ -2,7 +2,8 @@
 
 Only the boring parts live here; each lab keeps inline the DDP lines it teaches.
 
-    distributed  setup_distributed() / teardown_distributed(), DistContext, rank-aware log()
+    distributed  setup_distributed() / teardown_distributed(), DistContext, rank-aware log(),
+                 training_group() (a short timeout for training only, after a slow start)
     cli          argument types that fail with one clear line, CourseError and its reporting
     seeding      seed_everything() and the RNG states a checkpoint must carry
     data         the offline digits dataset, CIFAR-10 (prepared collectively: one download per job) and

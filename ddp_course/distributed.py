@@ -29,6 +29,11 @@ from ddp_course.cli import CourseError
 from ddp_course.faults import first_line
 
 BACKENDS = ("auto", "nccl", "gloo")
+# A process group's timeout bounds every wait in it, joining the job included. Starting Python and
+# importing torch, scikit-learn and torch._dynamo takes seconds of CPU per rank, and on a busy machine
+# one rank can reach a collective tens of seconds after its peer: not a hang. Scripts that show a hang
+# with a short timeout form the group with this one and train on training_group(timeout_s).
+START_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -155,8 +160,10 @@ def join_failure(rank: int, backend: str, error: Exception) -> GroupJoinError:
 def setup_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistContext:
     """Join the process group torchrun prepared (or form a one-process group) and pick the device.
 
-    Pair every call with teardown_distributed() in a `finally`. timeout_s bounds every collective:
-    a rank that never arrives makes the others fail after timeout_s instead of hanging forever.
+    Pair every call with teardown_distributed() in a `finally`. timeout_s bounds every wait in the
+    default group, joining it included: a rank that never arrives makes the others fail after
+    timeout_s instead of hanging forever. For a timeout shorter than a slow start (a hang shown in
+    seconds), pass START_TIMEOUT_S here and train on training_group(short timeout).
 
     --backend auto is decided for the whole job: on one node every rank sees the same GPUs and
     reaches the same choice; across nodes (WORLD_SIZE != LOCAL_WORLD_SIZE) the nodes may differ,
@@ -207,6 +214,23 @@ def _join_group(backend, resolved, rank, local_rank, world_size, local_world_siz
         # An in-memory store: a group of one needs no network port.
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **options)
     return resolved, device
+
+
+def training_group(timeout_s: float) -> dist.ProcessGroup:
+    """Every rank of the job, in a new group whose collectives give up after timeout_s.
+
+    Call it on every rank once the slow start-up is done (data loaded, model built), just before
+    DDP(..., process_group=group); then pass group= to the training's own collectives. The default
+    group (setup_distributed(timeout_s=START_TIMEOUT_S)) waits out a slow start; this group turns a
+    rank stuck in training into an error after timeout_s, wherever the ranks started.
+    """
+    # DDP's constructor imports torch._dynamo before its first collective: seconds of CPU, and not
+    # equally fast on every rank. Imported here, before the barrier, that time is start-up too.
+    import torch._dynamo  # noqa: F401
+
+    dist.barrier()  # every rank has started, under the default group's generous timeout
+    # The ranks leave the barrier together, so the new group connects well within timeout_s.
+    return dist.new_group(timeout=timedelta(seconds=timeout_s))
 
 
 def teardown_distributed() -> None:

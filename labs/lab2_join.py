@@ -31,6 +31,11 @@ line where it stopped - rank 0, with fewer batches, at the end-of-epoch barrier,
 all-reduce of its step 16 - and why (a timeout after --timeout-s seconds, or a connection its peer
 closed on giving up), and the job exits with status 1; with --join, the steps each rank ran (15
 and 30), identical weights on every rank, and the held-out accuracy of the trained model.
+
+Only training waits for at most --timeout-s. Starting the ranks and loading the data can take longer
+on a busy machine, and a rank that starts late is not the hang this lab shows: the process group
+forms with a generous timeout (START_TIMEOUT_S), and DDP and the collectives after it run on
+training_group(--timeout-s), made once every rank has started (ddp_course/distributed.py).
 """
 
 import sys
@@ -45,7 +50,7 @@ from torch.utils.data import DataLoader, Subset
 from ddp_course.checkpoint import atomic_write_json
 from ddp_course.cli import CourseArgumentParser, CourseError, positive_float, positive_int
 from ddp_course.data import load_digits
-from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
+from ddp_course.distributed import BACKENDS, START_TIMEOUT_S, log, log_error, setup_distributed, teardown_distributed, training_group
 from ddp_course.faults import first_line
 from ddp_course.models import DigitsCNN
 from ddp_course.seeding import seed_everything
@@ -57,7 +62,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=positive_int, default=32, help="per rank")
     parser.add_argument("--lr", type=positive_float, default=0.05)
     parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="gloo (see the docstring for nccl)")
-    parser.add_argument("--timeout-s", type=positive_float, default=10.0, help="how long a rank waits for a peer")
+    parser.add_argument("--timeout-s", type=positive_float, default=10.0, help="how long a rank waits for a peer in training")
     parser.add_argument("--json", help="rank 0 writes the steps per rank, the weight check and the accuracy here")
     return parser.parse_args(argv)
 
@@ -80,11 +85,11 @@ NCCL_NOTE = (
 )
 
 
-def same_weights_everywhere(model, ctx) -> bool:
+def same_weights_everywhere(model, ctx, group) -> bool:
     """True when every rank holds exactly rank 0's parameters."""
     mine = torch.cat([p.detach().flatten() for p in model.parameters()])
     everyone = [torch.empty_like(mine) for _ in range(ctx.world_size)]
-    dist.all_gather(everyone, mine)
+    dist.all_gather(everyone, mine, group=group)
     return all(torch.equal(theirs, everyone[0]) for theirs in everyone)
 
 
@@ -95,7 +100,8 @@ def train(ctx, args) -> dict | None:
     loader = DataLoader(Subset(digits.train, shard), batch_size=args.batch_size, shuffle=True, generator=generator)
     seed_everything(0)  # identical initial weights on every rank
     model = DigitsCNN().to(ctx.device)
-    ddp_model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    group = training_group(args.timeout_s)  # from here on a rank gives up after --timeout-s
+    ddp_model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None, process_group=group)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=args.lr, momentum=0.9)
     log(f"{len(shard)} samples, {len(loader)} batches of up to {args.batch_size}", every_rank=True)
 
@@ -109,17 +115,17 @@ def train(ctx, args) -> dict | None:
                 loss.backward()  # all-reduces the gradients: every rank must take part
                 optimizer.step()
                 steps += 1
-        dist.barrier()  # the end of the epoch, where a rank that ran out of batches waits
+        dist.barrier(group=group)  # the end of the epoch, where a rank that ran out of batches waits
     except RuntimeError as error:  # a collective timed out, or a peer that gave up closed its connection
         where = "at the end-of-epoch barrier" if steps == len(loader) else f"in the gradient all-reduce of step {steps + 1}"
         log(f"stopped {where} (of {len(loader)} batches): {first_line(str(error))}", every_rank=True)
         return None
     steps_per_rank = torch.zeros(ctx.world_size, dtype=torch.long, device=ctx.device)
     steps_per_rank[ctx.rank] = steps
-    dist.all_reduce(steps_per_rank)  # each rank fills its own slot: the sum gathers them
+    dist.all_reduce(steps_per_rank, group=group)  # each rank fills its own slot: the sum gathers them
     return {
         "world_size": ctx.world_size, "join": args.join, "steps_per_rank": steps_per_rank.tolist(),
-        "same_weights_on_every_rank": same_weights_everywhere(model, ctx),
+        "same_weights_on_every_rank": same_weights_everywhere(model, ctx, group),
         "eval_accuracy": held_out_accuracy(model, digits.test, ctx.device),
     }  # fmt: skip
 
@@ -133,7 +139,7 @@ def held_out_accuracy(model, test_set, device) -> float:
 
 def main(args) -> int:
     try:
-        ctx = setup_distributed(args.backend, timeout_s=args.timeout_s)
+        ctx = setup_distributed(args.backend, timeout_s=START_TIMEOUT_S)  # joining may be slow: training_group is short
         if ctx.backend == "nccl" and not args.join:
             log(NCCL_NOTE)
         result = train(ctx, args)  # plain numbers or None: the DDP model is out of reach now

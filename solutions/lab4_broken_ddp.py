@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from ddp_course.checkpoint import atomic_save, atomic_write_json
 from ddp_course.cli import CourseArgumentParser, CourseError, positive_float, positive_int
 from ddp_course.data import load_digits
-from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
+from ddp_course.distributed import BACKENDS, START_TIMEOUT_S, log, log_error, setup_distributed, teardown_distributed, training_group
 from ddp_course.models import DigitsCNN
 from ddp_course.seeding import seed_everything
 
@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--save", help="write the final model state_dict to this file")
     parser.add_argument("--metrics-json", help="write the job's metrics as JSON to this file")
     # Short on purpose: a rank left waiting in a collective fails after this many seconds, not 30 minutes.
-    parser.add_argument("--timeout-s", type=positive_float, default=20.0, help="process-group timeout, seconds")
+    parser.add_argument("--timeout-s", type=positive_float, default=20.0, help="how long a rank waits for a peer in training, seconds")
     return parser.parse_args(argv)
 
 
@@ -70,8 +70,9 @@ def train(ctx, args) -> dict:
     splits = load_digits()
     seed_everything(args.seed)  # same seed on every rank: identical initial weights
     model = DigitsCNN(splits.num_classes).to(ctx.device)
+    group = training_group(args.timeout_s)  # every rank has started: from here on a rank gives up after --timeout-s
     # DDP broadcasts rank 0's weights, then averages gradients over ranks inside backward().
-    ddp_model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    ddp_model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None, process_group=group)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=args.lr, momentum=0.9)
     # Each rank reads its own 1/world_size of a permutation drawn from (seed + epoch).
     sampler = DistributedSampler(splits.train, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed)
@@ -106,7 +107,7 @@ def train(ctx, args) -> dict:
                 break
 
         correct, total = evaluate(model, eval_loader, ctx)
-        dist.all_reduce(loss_sum)  # every rank joins a collective, also the ranks that print nothing
+        dist.all_reduce(loss_sum, group=group)  # every rank joins a collective, also the ranks that print nothing
         train_loss = float(loss_sum[0] / loss_sum[1])
         if not math.isfinite(train_loss):
             raise CourseError(f"the train loss became {train_loss} in epoch {epoch}: lower --lr (now {args.lr})")
@@ -118,7 +119,7 @@ def train(ctx, args) -> dict:
             )
             if args.save:  # every epoch, so that a crash keeps the last finished epoch's weights
                 atomic_save(model.state_dict(), args.save)  # the bare model's weights: keys without "module."
-        dist.barrier()  # no rank starts the next epoch, or exits, while rank 0 is still writing
+        dist.barrier(group=group)  # no rank starts the next epoch, or exits, while rank 0 is still writing
 
     final = history[-1]
     return {
@@ -131,7 +132,7 @@ def train(ctx, args) -> dict:
 
 def main(args) -> int:
     try:
-        ctx = setup_distributed(args.backend, timeout_s=args.timeout_s)
+        ctx = setup_distributed(args.backend, timeout_s=START_TIMEOUT_S)  # a slow start is not a hang: see training_group
         metrics = train(ctx, args)  # returns plain numbers: the DDP model is out of reach now
         if args.metrics_json and ctx.is_main:
             atomic_write_json(metrics, args.metrics_json)

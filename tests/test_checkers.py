@@ -281,8 +281,8 @@ BUGS = {
         "",
     ),
     5: (  # a collective called on rank 0 only: rank 0 waits in all_reduce, the others in the barrier
-        "        dist.all_reduce(loss_sum)  # every rank joins a collective, also the ranks that print nothing\n",
-        "        if ctx.is_main:\n            dist.all_reduce(loss_sum)  # the job's loss, for the log line\n",
+        "        dist.all_reduce(loss_sum, group=group)  # every rank joins a collective, also the ranks that print nothing\n",
+        "        if ctx.is_main:\n            dist.all_reduce(loss_sum, group=group)  # the job's loss, for the log line\n",
     ),
     6: (  # held-out counts never summed over ranks: rank 0 reports the accuracy of its slice
         "    dist.all_reduce(counts)  # sum over ranks: each rank scored its slice, the job's accuracy counts them all\n",

@@ -79,13 +79,24 @@ def self_check_cells(path: str) -> tuple[str, dict]:
     raise AssertionError(f"{path}: no '### Self-check (about N min)' cell")
 
 
+def own_question(path: str) -> tuple[str, str]:
+    """(module, name) of the Question a notebook must ask: a lecture's SELF_CHECK from its own checks module
+    (lectures/05a_step_time.ipynb: lecture05a_checks), a lab sheet's LABN_SELF_CHECK from lab_self_checks."""
+    name = path.split("/")[-1]
+    if path.startswith("labs/"):
+        lab = re.match(r"lab(\d+)_", name).group(1)
+        return "lab_self_checks", f"LAB{lab}_SELF_CHECK"
+    lecture = re.match(r"(\d+[a-z]?)_", name).group(1)
+    return f"lecture{lecture}_checks", "SELF_CHECK"
+
+
 @pytest.mark.parametrize("path", core_notebooks())
 def test_every_core_notebook_ends_with_a_self_check(path):
     _, code = self_check_cells(path)
     source = "".join(code["source"])
     assert code["cell_type"] == "code" and "answer = None" in source and "self_check(SELF_CHECK, answer)" in source, source
     imported = QUESTION_IMPORT.search(source)
-    assert imported, source
+    assert imported and imported.groups() == own_question(path), source  # its own question, not a neighbour's
     question = getattr(QUESTION_MODULES[imported.group(1)], imported.group(2))
     assert isinstance(question, Question) and question.hint.startswith("reread section"), question
     stored = "".join("".join(output.get("text", "")) for output in code["outputs"])

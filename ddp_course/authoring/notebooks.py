@@ -131,6 +131,16 @@ def cells_titled(path: str | Path, prefix: str) -> dict[str, tuple[str, str]]:
     return found
 
 
+def stored_cell(path: str | Path, marker: str) -> tuple[str, str]:
+    """(source, stored text output) of the one code cell of a stored notebook whose source contains marker.
+
+    A test reads what the notebook printed when it was stored (a table, a run's verdict lines) this way."""
+    cells = [cell for cell in json.loads(Path(path).read_text())["cells"]
+             if cell["cell_type"] == "code" and marker in "".join(cell["source"])]  # fmt: skip
+    assert len(cells) == 1, f"{len(cells)} code cells of {path} contain {marker!r}"
+    return "".join(cells[0]["source"]), "".join("".join(output.get("text", "")) for output in cells[0]["outputs"])
+
+
 def shared_cells(path: str | Path) -> list[str]:
     """The sources of a notebook's code cells tagged "shared": the set-up a lecture and its solutions
     notebook must both run, word for word (the tests compare the two lists)."""

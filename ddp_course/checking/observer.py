@@ -105,6 +105,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, get_wor
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 import ddp_course.data
+import ddp_course.distributed
 from ddp_course.checking import collectives
 from ddp_course.checking.rows import give_each_group_its_own_store_keys
 
@@ -535,15 +536,25 @@ def _underlying(indices, subsets) -> list[int]:
     return indices
 
 
-def _call_site() -> str:
-    """file:line of the first frame outside torch and this file: where the script made the call."""
+def _caller_frame():
+    """The first frame outside torch and this file: where the script (or a course helper) made the call."""
     frame = sys._getframe(2)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_TORCH_DIR) and filename != __file__:
-            return f"{Path(filename).name}:{frame.f_lineno}"
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == __file__):
         frame = frame.f_back
-    return "unknown"
+    return frame
+
+
+def _call_site() -> str:
+    """file:line where the script made the call."""
+    frame = _caller_frame()
+    return "unknown" if frame is None else f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+
+
+def _made_by_the_group_setup() -> bool:
+    """A call of ddp_course.distributed itself: training_group's barrier, where every rank waits for the
+    slowest to start. It is not the script's collective, and a slow start is no mismatch."""
+    frame = _caller_frame()
+    return frame is not None and frame.f_code.co_filename == ddp_course.distributed.__file__
 
 
 def _describe(op: str, args, kwargs) -> str:
@@ -665,9 +676,11 @@ def install(recorder: Recorder) -> None:
         @functools.wraps(function)
         def call(*args, **kwargs):
             group = kwargs.get("group")
+            # Every rank makes the calls of a group of all ranks (the default group, or the labs' training_group):
+            # they are matched across ranks. A group of some ranks is not.
             if getattr(inside, "active", False) or not dist.is_initialized() or dist.get_world_size() == 1 or (
-                group is not None and group is not dist.group.WORLD
-            ):
+                group is not None and dist.get_world_size(group) != dist.get_world_size()
+            ) or _made_by_the_group_setup():
                 return function(*args, **kwargs)
             call = recorder.announce(op, _describe(op, args, kwargs), _call_site())
             if call["decision"] == "skip":
