@@ -12,6 +12,8 @@ Only the boring parts live here; each lab keeps inline the DDP lines it teaches.
     compare      max_relative_difference() between two state_dicts
     char_lm_job  the job labs 6, 8 and 9 share: the character-level transformer, its global batch and
                  each rank's rows, job-wide maxima, eps-derived tolerances, deadlines and step timing
+    sharded_training  the harness labs 8 and 9 share: DDP, ZeRO-1, ZeRO-2, an FSDP, fully_shard built,
+                 stepped, checked against one process and weighed alike; lab 9's memory timeline and verdict
     checkpoint   atomic, rank-0 checkpoints that load with weights_only=True
     training     what lab 3 and lab 7 share: training-state save/restore (model, optimizer, position in
                  the epoch, every rank's RNG state), job-wide evaluation, rank 0's buffers, CPU weights

@@ -251,12 +251,19 @@ def import_script(path: str | Path, name: str | None = None):
 
     Its `if __name__ == "__main__":` block does not run, so nothing is launched. The module is
     registered in sys.modules under its name, as a normal import would be (dataclasses look it up there).
+    While its own imports run, its folder comes first on sys.path, as it does when Python runs the file:
+    a script imports a file beside it (lab 8 and lab 9 `import minizero2`) the same way in both cases.
     """
     path = Path(path)
     spec = importlib.util.spec_from_file_location(name or path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)  # the first occurrence: the one inserted above
     return module
 
 

@@ -1,4 +1,4 @@
-"""What a rank holds and what it sends under DDP, ZeRO-1/2 and FSDP (lecture 7, lab 8).
+"""What a rank holds and what it sends under DDP, ZeRO-1/2 and FSDP (lecture 7, labs 8 and 9).
 
     storage_bytes(tensors)              bytes of the distinct storages behind some tensors (a DTensor: its shard)
     model_state_bytes(params, opt)      this rank's parameters, gradients and optimizer state, in bytes
@@ -11,6 +11,9 @@
     allocations(device)                 the allocator's own peak during a block (CPU: the profiler's memory events
                                         over every thread; CUDA: max_memory_allocated), and its bytes at samples
     SavedActivations()                  the tensors autograd saves for backward while it is active, still alive
+    SampledAlongside(allocator, sources) a StepWatch that also notes the allocator's bytes at each sample
+    cuda_snapshot(directory, name, ...) GPU: every CUDA allocation of a block, a snapshot file per rank
+    predicted_peak(impl, sizes, A, N)   one rank's peak during an AdamW step under each implementation (lab 9)
     predicted_bytes_per_step(...)       the bytes one rank sends per step under each stage (lecture 2's ring costs)
     predicted_state_bytes(...)          the model state one rank keeps under each stage, with Adam in float32
 
@@ -446,6 +449,54 @@ class Allocations:
 
         with record_function(self.SAMPLE):  # an empty span: its start time places the sample among the events
             pass
+
+
+class SampledAlongside(StepWatch):
+    """A StepWatch that also has an Allocations note the allocator's bytes at each of its samples: the counted
+    bytes (what the code names) and the measured ones (all the allocator handed out) at the same moments."""
+
+    def __init__(self, allocator: Allocations, sources: dict):
+        super().__init__(sources)
+        self.allocator = allocator
+
+    def sample(self, label: str) -> None:
+        self.allocator.sample()
+        super().sample(label)
+
+
+@contextmanager
+def cuda_snapshot(directory: str | None, name: str, device: torch.device, rank: int):
+    """GPU track (NOT YET RUN on a GPU): with a directory, record every CUDA allocation of the block and write
+    a snapshot per rank, DIRECTORY/<name>_rank<r>.pickle, to open at https://pytorch.org/memory_viz.
+    Without one, or on a CPU device, it does nothing."""
+    if not (directory and device.type == "cuda"):
+        yield
+        return
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        yield
+    finally:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(Path(directory) / f"{name}_rank{rank}.pickle"))
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def predicted_peak(impl: str, sizes: dict, activations: int, world_size: int) -> int:
+    """The peak of one rank's memory during an AdamW step (float32; the lab 9 sheet derives it). The peak
+    comes where the activations are largest - at the turn from forward to backward - so it is the state
+    kept then, plus the activations A, plus what the implementation holds at that moment:
+        ddp     W weights + W gradients (DDP's buckets persist) + 2W Adam               + A
+        zero1   W + W + 2W/N                                                            + A
+        zero2   W + 2W/N + a bucket of full gradients (the largest: an upper bound)    + A
+        fsdp, fully_shard   W/N + 2W/N + the root unit's and one block's full weights  + A
+        fully_shard_keep    W/N + 2W/N + every full weight (kept since forward)         + A
+    sizes: {"weights": W, "root", "block", "bucket"} in bytes. Left out: padding rows, Adam's step
+    counters, a unit's gradients while its activations are freed."""
+    w, n = sizes["weights"], world_size
+    held = {"ddp": w + w + 2 * w, "zero1": w + w + 2 * w / n, "zero2": w + 2 * w / n + sizes["bucket"],
+            "fsdp": w / n + 2 * w / n + sizes["root"] + sizes["block"],
+            "fully_shard": w / n + 2 * w / n + sizes["root"] + sizes["block"], "fully_shard_keep": w / n + 2 * w / n + w}  # fmt: skip
+    return int(held[impl] + activations)
 
 
 def track_every_thread() -> None:

@@ -56,34 +56,25 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+import minizero2  # labs/minizero2.py, beside this script: ZeRO-2 from scratch, complete code to read
 from ddp_course.char_lm_job import (  # the job labs 6, 8 and 9 share: model, batch, verdicts, timing
-    CHECK_LR, CONTEXT, EPS_PER_STEP, deadline, global_batch, job_max, load_learner_module, median_ratio, my_rows,
-    new_model, seconds_per_step,
+    CONTEXT, EPS_PER_STEP, global_batch, job_max, load_learner_module, median_ratio, my_rows, new_model,
+    seconds_per_step,
 )
 from ddp_course.checkpoint import atomic_write_json
 from ddp_course.cli import CourseArgumentParser, CourseError, non_negative_int, positive_float, positive_int
 from ddp_course.data import encode_text, load_stdlib_text, text_splits
 from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
-from ddp_course.launch import import_script
 from ddp_course.reporting import format_table
+from ddp_course.sharded_training import (  # the harness labs 8 and 9 share: each implementation built, stepped, checked alike
+    ADAMW_LR, BATCH_SIZE, BYTES_TOLERANCE, CASE_TIMEOUT_S, CHECK_STEPS, IMPLS, Trained, check, gathered_now, kept, make_optimizer,
+)
 from ddp_course.sharding import StepWatch, count_collectives, cuda_peak, model_state_bytes, predicted_bytes_per_step, storage_bytes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# Lab 6's model, data, batch and timing helpers, used as they are: the same workload, the same clock.
-IMPLS = ("ddp", "zero1", "zero2", "fsdp", "fully_shard", "fully_shard_keep")
 # The bytes-per-step formula each follows: fully_shard_keep all-gathers once and reduce-scatters, as ZeRO-2.
 STAGE = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsdp", "fully_shard": "fsdp", "fully_shard_keep": "zero2"}
-FULLY_SHARD = ("fully_shard", "fully_shard_keep")
-ADAMW_LR = 1e-3
-# ZeRO-2's buckets: about one transformer block each (0.75 MiB), so that during backward at most two buckets
-# hold full gradients - the one in flight and the one being filled, when gradients arrive in bucket order
-# (labs/minizero2.py) - where DDP's 25 MiB would make this 3 MiB model one bucket: all of them at once.
-ZERO2_BUCKET_MB = 1.0
-BYTES_TOLERANCE = 0.05  # counted bytes per step vs the formula: padding and the replicated vectors stay far below
 MIB = 2**20
 
 
@@ -97,8 +88,8 @@ def parse_args(argv=None):
                         help="check --module's minifsdp.py, parts 1 to PART only (3: the whole check of --impl fsdp), and stop")
     parser.add_argument("--fsdp-units", choices=("blocks", "matrices"), default="blocks",
                         help="what --impl fsdp sends in one message: each block's weights (as fully_shard) or each matrix")
-    parser.add_argument("--batch-size", type=positive_int, default=4, help=f"windows of {CONTEXT} characters per rank")
-    parser.add_argument("--check-steps", type=positive_int, default=3, help="SGD steps of the correctness check")
+    parser.add_argument("--batch-size", type=positive_int, default=BATCH_SIZE, help=f"windows of {CONTEXT} characters per rank")
+    parser.add_argument("--check-steps", type=positive_int, default=CHECK_STEPS, help="SGD steps of the correctness check")
     parser.add_argument("--warmup-steps", type=positive_int, default=2, help="untimed AdamW steps first")
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per repeat")
     parser.add_argument("--repeats", type=non_negative_int, default=5, help="timing rounds, interleaved across impls (0: no timing)")
@@ -106,7 +97,7 @@ def parse_args(argv=None):
     parser.add_argument("--json", help="write one record per implementation here")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
     parser.add_argument("--timeout-s", type=positive_float, default=120.0, help="process-group timeout, seconds")
-    parser.add_argument("--case-timeout-s", type=positive_float, default=90.0,
+    parser.add_argument("--case-timeout-s", type=positive_float, default=CASE_TIMEOUT_S,
                         help="a check still running after this many seconds is a hang: FAIL, and the job ends")
     args = parser.parse_args(argv)
     chosen = args.impl or ["all"]
@@ -119,101 +110,6 @@ def parse_args(argv=None):
 def load_minifsdp(module: str):
     """labs/minifsdp.py (the exercise) or solutions/minifsdp.py (the finished version)."""
     return load_learner_module(module, "minifsdp", root=REPO_ROOT)
-
-
-class Trained:
-    """One implementation around a fresh model: what steps, what the optimizer sees, the full weights."""
-
-    def __init__(self, impl: str, args, ctx, modules: dict, make_optimizer):
-        self.impl, self.model = impl, new_model(args, ctx)  # the same weights on every rank
-        self.wrapped = wrap(impl, self.model, args, ctx, modules)
-        self.optimizer = make_optimizer(self.wrapped)
-
-    def step(self, inputs, targets) -> None:
-        """One training step. Gradients are cleared at the start, so after it they can be weighed."""
-        self.optimizer.zero_grad()
-        F.cross_entropy(self.wrapped(inputs).flatten(0, 1), targets.flatten()).backward()
-        if hasattr(self.wrapped, "finish_gradient_synchronization"):  # minifsdp's contract
-            self.wrapped.finish_gradient_synchronization()
-        self.optimizer.step()
-
-    def full_weights(self) -> torch.Tensor:
-        """Every parameter, whole, flattened in the bare model's named_parameters() order (a collective)."""
-        if self.impl == "fsdp":
-            named = self.wrapped.gather_full_params()
-        else:  # fully_shard's parameters are DTensors: full_tensor() all-gathers the shards
-            named = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in self.model.named_parameters()}
-        return torch.cat([named[name].detach().flatten() for name, _ in self.model.named_parameters()])
-
-
-def wrap(impl: str, model, args, ctx, modules: dict):
-    if impl in ("ddp", "zero1"):
-        device_ids = [ctx.local_rank] if ctx.device.type == "cuda" else None
-        # gradient_as_bucket_view: the gradients live in DDP's buckets, so weighing them counts DDP's real
-        # memory (otherwise DDP keeps a second, hidden copy). The comm hook does what DDP's C++ reducer does
-        # (average each bucket with one all-reduce) through dist.all_reduce, where count_collectives sees it.
-        ddp = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
-        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-        return ddp
-    if impl == "fsdp":
-        # blocks: one unit per transformer block and the rest in the root's, the grouping fully_shard gets
-        # below; matrices: every module that owns a matrix is its own unit (one message per weight matrix).
-        units = list(model.blocks) if args.fsdp_units == "blocks" else None
-        return modules["minifsdp"].FSDP(model, units=units)
-    if impl == "zero2":
-        return modules["minizero2"].ZeRO2(model, bucket_cap_mb=ZERO2_BUCKET_MB)  # labs/minizero2.py: no DDP wrapper
-    if impl in FULLY_SHARD:
-        from torch.distributed.device_mesh import init_device_mesh  # imports torch._dynamo: seconds, so only here
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # cpu + gloo, or cuda + NCCL
-        # fully_shard: reshard_after_forward=True everywhere, the root too (its default keeps the root's
-        # weights gathered until backward): every weight is gathered twice per step, as ZeRO-3 and our FSDP
-        # do. fully_shard_keep: False everywhere (SHARD_GRAD_OP): gathered once, kept until backward.
-        reshard = impl == "fully_shard"
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    return model  # the controls: "single process", "no sync"
-
-
-def make_optimizer(impl: str, modules: dict, optimizer_cls, **kwargs):
-    """A function of the wrapped model: optimizer_cls over its parameters; ZeRO-1 wraps it in lab 6's
-    ShardedOptimizer; ZeRO-2 steps only this rank's slices, then all-gathers (minizero2.ShardedStep)."""
-    if impl == "zero1":
-        return lambda wrapped: modules["minddp"].ShardedOptimizer(wrapped.parameters(), optimizer_cls, **kwargs)
-    if impl == "zero2":
-        return lambda wrapped: modules["minizero2"].ShardedStep(wrapped, optimizer_cls, **kwargs)
-    return lambda wrapped: optimizer_cls(wrapped.parameters(), **kwargs)
-
-
-def check(args, ctx, tokens, modules) -> dict:
-    """Per implementation, max |w - w_single| over the job after --check-steps SGD steps, and the verdict."""
-    sgd = functools.partial(make_optimizer, optimizer_cls=torch.optim.SGD, lr=CHECK_LR)
-    single = weights_after(args, ctx, tokens, Trained("single process", args, ctx, modules, sgd("single process", modules)))
-    tolerance = EPS_PER_STEP * args.check_steps * torch.finfo(torch.float32).eps * float(single.abs().max())
-    log(f"check: {args.check_steps} SGD steps, {ctx.world_size} shards of {args.batch_size} windows vs one process on all "
-        f"{args.batch_size * ctx.world_size}; tolerance {tolerance:.2g} ({EPS_PER_STEP} x steps x float32 eps x max|w|)")
-    results = {}
-    for impl in ["no sync"] + args.impls:
-        with deadline(args.case_timeout_s, f"{impl:<16} the check"):
-            trained = Trained(impl, args, ctx, modules, sgd(impl, modules))
-            difference = job_max(float((weights_after(args, ctx, tokens, trained) - single).abs().max()), ctx)
-        close = difference <= tolerance
-        verdict = ("CONTROL DID NOT DIFFER" if close else "differs (control)") if impl == "no sync" else ("PASS" if close else "FAIL")
-        results[impl] = {"max_abs_diff_vs_single_process": difference, "tolerance": tolerance, "verdict": verdict}
-        log(f"  {impl:<16} max|w - one process| {difference:.1e}   {verdict}")
-    return results
-
-
-def weights_after(args, ctx, tokens, trained: Trained) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(args.seed)  # the same batches for every implementation
-    for _ in range(args.check_steps):
-        inputs, targets = global_batch(tokens, generator, args, ctx)
-        if trained.impl != "single process":
-            inputs, targets = my_rows(inputs, ctx), my_rows(targets, ctx)
-        trained.step(inputs, targets)
-    return trained.full_weights()
 
 
 def measure(args, ctx, tokens, modules) -> tuple[dict, dict]:
@@ -250,24 +146,6 @@ def measure(args, ctx, tokens, modules) -> tuple[dict, dict]:
         for impl in args.impls[shift:] + args.impls[:shift]:
             times[impl].append(seconds_per_step(lambda t=trained[impl]: t.step(inputs, targets), args.steps, ctx))
     return measured, times
-
-
-def gathered_now(trained: Trained) -> list[torch.Tensor]:
-    """The full weights gathered right now: minifsdp's full tensors (0 bytes of storage while freed);
-    fully_shard's unsharded parameters, which it registers on the modules in place of the DTensors.
-    DDP and ZeRO-1 keep every weight whole: nothing is gathered."""
-    if trained.impl == "fsdp":
-        return [handle.full for handle in trained.wrapped.sharded.values()]
-    if trained.impl in FULLY_SHARD:
-        return [p for m in trained.model.modules() for p in m._parameters.values() if p is not None and not hasattr(p, "to_local")]
-    return []
-
-
-def kept(trained: Trained) -> list[torch.Tensor]:
-    """The parameters a rank keeps between steps: the model's and the optimizer's (fully_shard's DTensor
-    shards stay in the optimizer while the modules show the unsharded weights; ZeRO-2's slices are views
-    of its full weights). Storages are counted once, so listing a tensor twice costs nothing."""
-    return [*trained.wrapped.parameters(), *(p for group in trained.optimizer.param_groups for p in group["params"])]
 
 
 def weights_watch(trained: Trained) -> StepWatch:
@@ -311,7 +189,7 @@ def modules_for(impls, module: str = "solutions") -> dict:
     """The from-scratch code the implementations need: lab 6's ShardedOptimizer, ZeRO-2, an FSDP."""
     modules = {"minddp": load_learner_module("solutions", "minddp", root=REPO_ROOT)} if "zero1" in impls else {}
     if "zero2" in impls:
-        modules["minizero2"] = import_script(REPO_ROOT / "labs" / "minizero2.py", "minizero2")
+        modules["minizero2"] = minizero2
     if "fsdp" in impls:
         modules["minifsdp"] = load_minifsdp(module)
     return modules

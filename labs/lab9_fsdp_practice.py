@@ -43,10 +43,7 @@ holds the records of both runs, and the lab 9 sheet reads
 them.
 """
 
-import argparse
-import gc
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -55,35 +52,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import minizero2  # labs/minizero2.py, beside this script: ZeRO-2 from scratch, complete code to read
 from ddp_course import char_lm_job  # the job labs 6, 8 and 9 share: model, batch, verdicts, timing
+from ddp_course import sharded_training as impls  # lab 8's implementations, built, checked and weighed alike
 from ddp_course.checkpoint import atomic_write_json
 from ddp_course.cli import CourseArgumentParser, CourseError, positive_float
 from ddp_course.data import encode_text, load_stdlib_text, sample_windows, text_splits
 from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
-from ddp_course.launch import import_script
-from ddp_course.sharding import (
-    SavedActivations, StepWatch, allocations, bytes_written, count_collectives, optimizer_state_tensors, storage_bytes,
-)
+from ddp_course.sharding import SavedActivations, allocations, bytes_written, count_collectives, storage_bytes
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-# Lab 8's implementations, model, batches and accounting, used as they are; lab 6's through it.
-lab8 = import_script(REPO_ROOT / "labs" / "lab8_fsdp.py", "lab8_fsdp")
 PARTS = ("memory", "meta", "checkpoint", "clip", "hsdp", "resume")
 FOUR_RANK_PARTS = ("hsdp", "resume")
-MEMORY_IMPLS = ("ddp", "zero1", "zero2", "fsdp", "fully_shard", "fully_shard_keep")
-CATEGORIES = ("parameters", "gathered", "gradients", "optimizer_state", "activations")
+MEMORY_IMPLS = impls.IMPLS  # ddp, zero1, zero2, fsdp (ours), fully_shard, fully_shard_keep
 MIB = 2**20
-# The peak formula against the COUNTED peak (the storages of the tensors the code names): within 5 %. That
-# checks the accounting - that the formula adds up what the code keeps - not memory. It leaves out padding
-# rows and Adam's step counters (under 0.1 % here) and puts the peak at the turn from forward to backward;
-# the counted peak can come one module later, after the head's activations are freed (3 % of them here).
-COUNTED_TOLERANCE = 0.05
-# The formula against the MEASURED peak (the allocator's own figure), in units of W, the weights' bytes:
-# measured - predicted within [-1/4 W, +3/4 W]. Above the formula the allocator also holds what no count
-# names: autograd's temporaries in backward (the head's gradients: about 0.2 W here), and our FSDP's
-# gather buffer beside the unit's full weights (about 0.6 W in all here). One more full-size buffer kept
-# alive - a second copy of the gradients, a leaked W - puts an implementation above +3/4 W: a FAIL.
-MEASURED_TOLERANCE = (-0.25, 0.75)
+REPO_ROOT = Path(__file__).resolve().parent.parent
 # Windows per step in the meta, clip, hsdp and resume parts: 8, or the next multiple of the world size, so
 # that every rank gets the same number of whole windows (4 each on 2 ranks, 2 on 4, 3 on 3, 1 on 9 or more)
 # and the average of the ranks' means is the global batch's mean, at any world size.
@@ -117,162 +99,32 @@ def local_batch(args, ctx, tokens, step: int, group=None):
     return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in windows)
 
 
-def lab8_args(args, **changes) -> argparse.Namespace:
-    """Lab 8's configuration (its defaults: batch 4 windows per rank, seed 0, ours from solutions/)."""
-    parsed = lab8.parse_args(["--module", "solutions", "--seed", str(args.seed)])
-    return argparse.Namespace(**{**vars(parsed), **changes})
+# --- memory over a whole step: counted, measured and predicted (ddp_course.sharded_training) ---------------
 
 
-def gradients_now(trained, own) -> list[torch.Tensor]:
-    """Every gradient that exists right now: the kept parameters' and the gathered weights' (.grad of
-    minifsdp's full tensors, of fully_shard's unsharded parameters), and ZeRO-2's bucket buffers."""
-    found = [p.grad for p in own] + [t.grad for t in lab8.gathered_now(trained)]
-    return found + (trained.wrapped.gradient_buffers() if trained.impl == "zero2" else [])
-
-
-def memory_timeline(impl: str, args, ctx, modules, tokens) -> dict:
-    """One AdamW step of impl after a warm-up step, weighed two ways, the fullest rank's bytes:
-    counted   at every phase, the storages of the tensors the code names, by category (StepWatch);
-    measured  the allocator's own peak during that step, counting all this implementation allocated since
-              before it was built (Allocations) - what the counts cannot name (DDP's bucket copies,
-              fully_shard's flat buffers, autograd's temporaries, a leaked copy) included."""
-    gc.collect()  # the previous implementation's garbage goes now, not during this one's measurement
-    with allocations(ctx.device) as allocator:
-        largs = lab8_args(args)
-        make = lab8.make_optimizer(impl, modules, torch.optim.AdamW, lr=lab8.ADAMW_LR)
-        trained = lab8.Trained(impl, largs, ctx, modules, make)
-        batch = char_lm_job.global_batch(tokens, torch.Generator().manual_seed(args.seed), largs, ctx)
-        inputs, targets = (char_lm_job.my_rows(t, ctx) for t in batch)
-        trained.step(inputs, targets)  # warm-up: Adam's state exists, DDP's buckets are built, fully_shard initialised
-        own, saved = lab8.kept(trained), SavedActivations()
-        watch = SampledAlongside(allocator, {"parameters": lambda: own, "gathered": lambda: lab8.gathered_now(trained),
-                           "gradients": lambda: gradients_now(trained, own),
-                           "optimizer_state": lambda: optimizer_state_tensors(trained.optimizer), "activations": saved.alive})  # fmt: skip
-        with cuda_snapshot(args, ctx, impl), allocator.measured(), count_collectives(*modules.values()) as counter:
-            counted_step(impl, trained, watch, saved, inputs, targets)
-    counted = torch.tensor([[sample[c] for c in CATEGORIES] for _, sample in watch.samples], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(counted, op=dist.ReduceOp.MAX)  # the same phases on every rank (the same graph): the fullest
-    measured = torch.tensor(allocator.at_samples, dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-    return {"labels": [label for label, _ in watch.samples], "bytes": counted.long().tolist(),
-            "measured_bytes": measured.long().tolist(), "measured_peak_bytes": int(char_lm_job.job_max(allocator.peak, ctx)),
-            "ring_model_bytes_per_step": counter.ring_model_bytes_per_rank(ctx.world_size), "messages_per_step": len(counter.calls)}
-
-
-class SampledAlongside(StepWatch):
-    """A StepWatch that also has an Allocations note the allocator's bytes at each of its samples."""
-
-    def __init__(self, allocator, sources: dict):  # allocator: a ddp_course.sharding.Allocations
-        super().__init__(sources)
-        self.allocator = allocator
-
-    def sample(self, label: str) -> None:
-        self.allocator.sample()
-        super().sample(label)
-
-
-def counted_step(impl: str, trained, watch: StepWatch, saved: SavedActivations, inputs, targets) -> None:
-    """The weighed step, with a sample of the counted bytes at every phase."""
-    watch.sample("start")
-    # DDP's gradients live in its reducer's buckets whatever zero_grad does (gradient_as_bucket_view):
-    # set_to_none=False keeps the .grad views that show them.
-    trained.optimizer.zero_grad(**({"set_to_none": False} if impl in ("ddp", "zero1") else {}))
-    watch.sample("zero_grad")
-    with watch.during(trained.model, trained.wrapped), saved:
-        F.cross_entropy(trained.wrapped(inputs).flatten(0, 1), targets.flatten()).backward()
-    watch.sample("after backward")
-    if hasattr(trained.wrapped, "finish_gradient_synchronization"):
-        trained.wrapped.finish_gradient_synchronization()
-    watch.sample("after gradient sync")
-    trained.optimizer.step()
-    watch.sample("after optimizer step")
-
-
-# --- memory over a whole step: the formula ---------------------------------------------------------------
-
-
-def model_sizes(args, ctx, world_size: int) -> dict:
-    """The bytes the peak formula is made of (float32): W, the weights; the root unit's and the largest
-    block's full weights (what an FSDP gathers at once); the largest ZeRO-2 bucket."""
-    model = char_lm_job.new_model(args, ctx)
-    weights = storage_bytes(model.parameters())
-    in_blocks = {id(p) for p in model.blocks.parameters()}
-    root = storage_bytes(p for p in model.parameters() if id(p) not in in_blocks)
-    block = max(storage_bytes(b.parameters()) for b in model.blocks)
-    buckets = lab8.modules_for(["zero2"])["minizero2"].split(list(model.parameters())[::-1], lab8.ZERO2_BUCKET_MB * 2**20)
-    return {"weights": weights, "root": root, "block": block, "bucket": max(storage_bytes(b) for b in buckets)}
-
-
-def predicted_peak(impl: str, sizes: dict, activations: int, world_size: int) -> int:
-    """The peak of one rank's memory during an AdamW step (float32; the sheet derives it). The peak comes
-    where the activations are largest - at the turn from forward to backward - so it is the state kept
-    then, plus the activations A, plus what the implementation holds at that moment:
-        ddp     W weights + W gradients (DDP's buckets persist) + 2W Adam               + A
-        zero1   W + W + 2W/N                                                            + A
-        zero2   W + 2W/N + a bucket of full gradients (the largest: an upper bound)    + A
-        fsdp, fully_shard   W/N + 2W/N + the root unit's and one block's full weights  + A
-        fully_shard_keep    W/N + 2W/N + every full weight (kept since forward)         + A
-    Left out: padding rows, Adam's step counters, a unit's gradients while its activations are freed."""
-    w, n = sizes["weights"], world_size
-    held = {"ddp": w + w + 2 * w, "zero1": w + w + 2 * w / n, "zero2": w + 2 * w / n + sizes["bucket"],
-            "fsdp": w / n + 2 * w / n + sizes["root"] + sizes["block"],
-            "fully_shard": w / n + 2 * w / n + sizes["root"] + sizes["block"], "fully_shard_keep": w / n + 2 * w / n + w}  # fmt: skip
-    return int(held[impl] + activations)
-
-
-@contextmanager
-def cuda_snapshot(args, ctx, impl: str):
-    """GPU track (NOT YET RUN on a GPU): with --snapshot-dir, record every CUDA allocation of the block and
-    write a snapshot per rank, SNAPSHOT_DIR/<impl>_rank<r>.pickle, to open at https://pytorch.org/memory_viz."""
-    if not (args.snapshot_dir and ctx.device.type == "cuda"):
-        yield
-        return
-    torch.cuda.memory._record_memory_history(max_entries=100_000)
-    try:
-        yield
-    finally:
-        Path(args.snapshot_dir).mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(Path(args.snapshot_dir) / f"{impl}_rank{ctx.rank}.pickle"))
-        torch.cuda.memory._record_memory_history(enabled=None)
+def from_scratch() -> dict:
+    """The finished from-scratch code the implementations need: lab 6's ShardedOptimizer (ZeRO-1), ZeRO-2, our FSDP."""
+    return {"minddp": char_lm_job.load_learner_module("solutions", "minddp", root=REPO_ROOT), "minizero2": minizero2,
+            "minifsdp": char_lm_job.load_learner_module("solutions", "minifsdp", root=REPO_ROOT)}
 
 
 def memory(args, ctx, tokens) -> dict:
     """Every implementation's step, counted and measured, against the formula; ZeRO-2 against one process."""
-    modules = lab8.modules_for(MEMORY_IMPLS)
-    sizes = model_sizes(args, ctx, ctx.world_size)
-    timelines = {impl: memory_timeline(impl, args, ctx, modules, tokens) for impl in MEMORY_IMPLS}
+    modules = from_scratch()
+    sizes = impls.model_sizes(char_lm_job.new_model(args, ctx), minizero2)
+    timelines = {impl: impls.memory_timeline(impl, ctx, modules, tokens, args.seed, args.snapshot_dir) for impl in MEMORY_IMPLS}
     labels = timelines["ddp"]["labels"]  # the same phases for every implementation: the same model's modules
     if any(timeline.pop("labels") != labels for timeline in timelines.values()):
         raise CourseError("the implementations' steps went through different phases")
-    facts = {"categories": CATEGORIES, "labels": labels, "sizes": sizes, "counted_tolerance": COUNTED_TOLERANCE,
-             "measured_tolerance": MEASURED_TOLERANCE, "impls": {}}
+    facts = {"categories": impls.CATEGORIES, "labels": labels, "sizes": sizes, "counted_tolerance": impls.COUNTED_TOLERANCE,
+             "measured_tolerance": impls.MEASURED_TOLERANCE, "impls": {}}  # fmt: skip
     for impl, timeline in timelines.items():
-        facts["impls"][impl] = judge_peaks(impl, timeline, labels, sizes, ctx.world_size)
+        facts["impls"][impl] = impls.judge_peaks(impl, timeline, labels, sizes, ctx.world_size)
     # ZeRO-2 from scratch trains as one process does at this world size too (lab 8's check: SGD steps)
-    checked = lab8.check(lab8_args(args, impls=["zero2"]), ctx, tokens, modules)["zero2"]
+    checked = impls.check(impls.job_args(args.seed, impls=["zero2"]), ctx, tokens, modules)["zero2"]
     facts["zero2_check"] = {key: checked[key] for key in ("max_abs_diff_vs_single_process", "tolerance")} | {"passed": checked["verdict"] == "PASS"}
     facts["passed"] = all(impl["passed"] for impl in facts["impls"].values()) and facts["zero2_check"]["passed"]
     return facts
-
-
-def judge_peaks(impl: str, timeline: dict, labels: list[str], sizes: dict, world_size: int) -> dict:
-    """The counted and the measured peak of one implementation against the formula, each with its tolerance."""
-    totals = [sum(sample) for sample in timeline["bytes"]]
-    counted = max(totals)
-    # A: this implementation's own activations when forward ends (the same graph gives every one the same)
-    activations = dict(zip(labels, timeline["bytes"]))["after forward"][CATEGORIES.index("activations")]
-    predicted = predicted_peak(impl, sizes, activations, world_size)
-    measured = timeline["measured_peak_bytes"]
-    counted_ok = abs(counted / predicted - 1) <= COUNTED_TOLERANCE
-    low, high = MEASURED_TOLERANCE
-    measured_ok = low <= (measured - predicted) / sizes["weights"] <= high
-    log(f"memory {impl:<16} predicted {predicted / MIB:6.2f} MiB; counted {counted / MIB:6.2f} MiB ({counted / predicted:.3f}x) "
-        f"at {labels[totals.index(counted)]:<22} measured by the allocator {measured / MIB:6.2f} MiB "
-        f"({(measured - predicted) / sizes['weights']:+.2f} W)   {'PASS' if counted_ok and measured_ok else 'FAIL'}")
-    return {**timeline, "activations_after_forward": activations, "predicted_peak_bytes": predicted,
-            "counted_peak_bytes": counted, "counted_peak_at": labels[totals.index(counted)], "counted_vs_predicted": counted / predicted,
-            "measured_minus_predicted_in_w": (measured - predicted) / sizes["weights"],
-            "counted_passed": counted_ok, "measured_passed": measured_ok, "passed": counted_ok and measured_ok}
 
 
 # --- a model no rank builds whole ------------------------------------------------------------------------
@@ -324,7 +176,7 @@ def meta(args, ctx, tokens) -> dict:
         state = get_model_state_dict(loaded)  # DTensors over the shards
         dcp.load(state, checkpoint_id=directory)  # each rank reads only the pieces of its shards
         set_model_state_dict(loaded, state)
-    whole = storage_bytes(char_lm_job.new_model(lab8_args(args), ctx).parameters())
+    whole = storage_bytes(char_lm_job.new_model(args, ctx).parameters())
     peaks = {"whole_then_sharded": int(char_lm_job.job_max(whole_then_sharded.peak, ctx)), "meta": int(char_lm_job.job_max(never_whole.peak, ctx))}
     equal = full_weights_equal(saved, loaded)
     remove_if_temporary(args, ctx, directory)
@@ -377,7 +229,7 @@ def activation_checkpointing(args, ctx, tokens) -> dict:
     """The same fully_shard step with and without checkpointing each block: the allocator's peak, the
     tensors saved for backward after forward, the all-gathers; the weights after the step are the same."""
     mesh, facts, weights = world_mesh(ctx), {}, {}
-    inputs, targets = (char_lm_job.my_rows(t, ctx) for t in char_lm_job.global_batch(tokens, torch.Generator().manual_seed(args.seed), lab8_args(args), ctx))
+    inputs, targets = (char_lm_job.my_rows(t, ctx) for t in char_lm_job.global_batch(tokens, torch.Generator().manual_seed(args.seed), impls.job_args(args.seed), ctx))
     for setting, wrap_block in (("plain", None), ("checkpointed", Checkpointed)):
         model = sharded_model(args, ctx, mesh, wrap_block=wrap_block)
         optimizer = torch.optim.SGD(model.parameters(), lr=char_lm_job.CHECK_LR)
@@ -429,7 +281,7 @@ def clip_sharded_(model, max_norm: float) -> torch.Tensor:
 def one_process(args, ctx, tokens, steps: int, max_norm: float | None = None) -> tuple[torch.Tensor, list[float]]:
     """The reference: one process, SGD on each step's whole global batch (clipped to max_norm if given);
     every parameter flattened, and the gradient norm of each step."""
-    model = char_lm_job.new_model(lab8_args(args), ctx)
+    model = char_lm_job.new_model(args, ctx)
     optimizer, norms = torch.optim.SGD(model.parameters(), lr=char_lm_job.CHECK_LR), []
     for step in range(steps):
         inputs, targets = global_batch(args, ctx, tokens, step)
@@ -449,8 +301,8 @@ def clipped_training(args, ctx, tokens, how: str) -> tuple[torch.Tensor, list[fl
     if how == "fully_shard":
         model = wrapped = sharded_model(args, ctx, world_mesh(ctx))
     else:
-        model = char_lm_job.new_model(lab8_args(args), ctx)
-        wrapped = lab8.load_minifsdp("solutions").FSDP(model, units=list(model.blocks))
+        model = char_lm_job.new_model(args, ctx)
+        wrapped = char_lm_job.load_learner_module("solutions", "minifsdp", root=REPO_ROOT).FSDP(model, units=list(model.blocks))
     optimizer, norms = torch.optim.SGD(wrapped.parameters(), lr=char_lm_job.CHECK_LR), []
     for step in range(CLIP_STEPS):
         inputs, targets = local_batch(args, ctx, tokens, step)
@@ -517,14 +369,14 @@ def hsdp(args, ctx, tokens) -> dict:
     shard_group = tuple(dist.get_process_group_ranks(mesh.get_group("shard")))
     replicate_group = tuple(dist.get_process_group_ranks(mesh.get_group("replicate")))
     by_group = counter.ring_model_bytes_by_group()
-    s, g, r = storage_bytes(char_lm_job.new_model(lab8_args(args), ctx).parameters()), 2, rows
+    s, g, r = storage_bytes(char_lm_job.new_model(args, ctx).parameters()), 2, rows
     # The payloads the step's collectives carried, each priced by the ring costs (sharding.py): the model.
     modelled = {"shard": by_group.get(shard_group, 0.0), "replicate": by_group.get(replicate_group, 0.0)}
     # Within a row: all-gather before forward and before backward, reduce-scatter after (ZeRO-3 over g = 2
     # ranks): 3 (g-1)/g S. Across rows: an all-reduce of this rank's 1/g of the gradient: 2 (r-1)/r S/g.
     formula = {"shard": 3 * (g - 1) / g * s, "replicate": 2 * (r - 1) / r * s / g}
     ratios = {dim: modelled[dim] / formula[dim] for dim in formula}
-    passed = difference <= tolerance and all(abs(ratio - 1) <= lab8.BYTES_TOLERANCE for ratio in ratios.values())
+    passed = difference <= tolerance and all(abs(ratio - 1) <= impls.BYTES_TOLERANCE for ratio in ratios.values())
     # what really left, where collectives write to sockets (gloo); NCCL's transports do not pass through write()
     sent = int(char_lm_job.job_max(written["bytes"], ctx)) if ctx.backend == "gloo" and written["bytes"] is not None else None
     log(f"hsdp     {r} x 2 mesh: max|w - one process| {difference:.1e} <= {tolerance:.1e}; per rank per step, payloads at ring "

@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from ddp_course import sharding
+from ddp_course import sharded_training, sharding
 from ddp_course.authoring.notebooks import stored_cell
 from ddp_course.cli import CourseError
 from ddp_course.launch import REPO_ROOT, import_script
@@ -195,9 +195,8 @@ def test_bad_flags_are_refused_in_one_line(lab9, refused_flag_line, tmp_path):
 
 def test_the_peak_formula_is_the_sheets():
     """The formula's terms, on round numbers: W = 100 bytes of weights, N = 4, A = 1000."""
-    lab9 = import_script(LAB9, "lab9_fsdp_practice")
     sizes = {"weights": 100, "root": 10, "block": 20, "bucket": 30}
-    predicted = {impl: lab9.predicted_peak(impl, sizes, 1000, 4) for impl in lab9.MEMORY_IMPLS}
+    predicted = {impl: sharding.predicted_peak(impl, sizes, 1000, 4) for impl in sharded_training.IMPLS}
     assert predicted == {"ddp": 1400, "zero1": 1250, "zero2": 1180, "fsdp": 1105, "fully_shard": 1105, "fully_shard_keep": 1175}
 
 
@@ -284,26 +283,27 @@ def test_zero2_in_bucket_order_is_not_rebuilt(one_rank):
     assert not model.rebuilt and max(map(max, live)) == 1  # each bucket launched as soon as it is full
 
 
-def weigh_one_step(lab9, ctx, impl: str, modules: dict) -> dict:
+def weigh_one_step(ctx, impl: str, modules: dict) -> dict:
     """Lab 9's memory part for one implementation on one rank: the counted and measured peaks, judged."""
+    from ddp_course.char_lm_job import new_model
     from ddp_course.data import encode_text, load_stdlib_text, text_splits
 
     tokens, _ = text_splits(encode_text(load_stdlib_text()))
-    args = lab9.parse_args(["--parts", "memory"])
-    timeline = lab9.memory_timeline(impl, args, ctx, modules, tokens)
-    return lab9.judge_peaks(impl, timeline, timeline.pop("labels"), lab9.model_sizes(lab9.lab8_args(args), ctx, 1), 1)
+    timeline = sharded_training.memory_timeline(impl, ctx, modules, tokens)
+    sizes = sharded_training.model_sizes(new_model(sharded_training.job_args(), ctx), modules["minizero2"])
+    return sharded_training.judge_peaks(impl, timeline, timeline.pop("labels"), sizes, 1)
 
 
 @pytest.mark.timeout(300)
-def test_the_memory_verdict_fails_an_implementation_that_keeps_one_more_full_size_buffer(lab9, one_rank, monkeypatch):
+def test_the_memory_verdict_fails_an_implementation_that_keeps_one_more_full_size_buffer(one_rank, monkeypatch):
     """Two mutants that hold one more W than they should, which no count sees: ZeRO-2 keeping a copy of each
     bucket's full gradient (leaked: W in all), DDP copying its gradients out of its buckets
     (gradient_as_bucket_view=False: W more). The counted peak stays within its 5 % of the formula; the
     allocator's does not - the verdict FAILs. Unchanged, both PASS."""
-    modules = lab9.lab8.modules_for(["zero2"])  # a fresh import of labs/minizero2.py: the mutant is patched into it
-    minizero2 = modules["minizero2"]
+    minizero2 = import_script(REPO_ROOT / "labs" / "minizero2.py", "minizero2_mutant")  # a fresh import: the mutant is patched into it
+    modules = {"minizero2": minizero2}
     for impl in ("zero2", "ddp"):
-        facts = weigh_one_step(lab9, one_rank, impl, modules)
+        facts = weigh_one_step(one_rank, impl, modules)
         assert facts["passed"], (impl, facts["measured_minus_predicted_in_w"])
     launch = minizero2.Bucket.launch
 
@@ -312,10 +312,10 @@ def test_the_memory_verdict_fails_an_implementation_that_keeps_one_more_full_siz
         launch(bucket)
 
     monkeypatch.setattr(minizero2.Bucket, "launch", launch_and_keep_a_copy)
-    ddp = lab9.lab8.DDP
-    monkeypatch.setattr(lab9.lab8, "DDP", lambda *args, **kwargs: ddp(*args, **{**kwargs, "gradient_as_bucket_view": False}))
+    ddp = sharded_training.DDP
+    monkeypatch.setattr(sharded_training, "DDP", lambda *args, **kwargs: ddp(*args, **{**kwargs, "gradient_as_bucket_view": False}))
     for impl in ("zero2", "ddp"):
-        facts = weigh_one_step(lab9, one_rank, impl, modules)
+        facts = weigh_one_step(one_rank, impl, modules)
         assert facts["counted_passed"] and not facts["measured_passed"] and not facts["passed"], (impl, facts["measured_minus_predicted_in_w"])
         assert facts["measured_minus_predicted_in_w"] > 0.75
 

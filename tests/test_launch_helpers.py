@@ -1,11 +1,27 @@
 """Reading what a job printed (ddp_course.launch): lines per rank, the ranks' exceptions, DETAIL's reports,
-and a probe line copied into a script. In this process, on the text torch and the labs print.
+and a probe line copied into a script. In this process, on the text torch and the labs print. Also how
+import_script loads a script that imports a file beside it.
 (The sheets' background jobs are ddp_course.launch.SheetJobs: tests/test_sheet_jobs.py.)
 """
 
+import sys
+
 import pytest
 
-from ddp_course.launch import copy_with_line_after, detail_mismatches, lines_by_rank, rank_errors
+from ddp_course.launch import copy_with_line_after, detail_mismatches, import_script, lines_by_rank, rank_errors
+
+
+def test_a_script_imports_a_file_beside_it_as_when_python_runs_it(tmp_path):
+    """Labs 8 and 9 `import minizero2`, the file beside them: under torchrun their folder is first on
+    sys.path; import_script puts it there while the script's imports run, and takes it away after."""
+    (tmp_path / "beside_the_script.py").write_text("VALUE = 7\n")
+    (tmp_path / "the_script.py").write_text("import beside_the_script\n\nFOUND = beside_the_script.VALUE\n")
+    try:
+        assert import_script(tmp_path / "the_script.py", "the_script").FOUND == 7
+        assert str(tmp_path) not in sys.path
+    finally:
+        for name in ("the_script", "beside_the_script"):
+            sys.modules.pop(name, None)
 
 
 def test_lines_by_rank_groups_and_sorts_ranks():
