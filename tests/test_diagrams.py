@@ -49,3 +49,20 @@ def test_the_website_can_describe_the_figure_in_words(module):
 
     alt_text = website.diagram_alt_texts(diagrams.ASSETS.parent)[f"assets/{module.NAME}.png"]
     assert len(alt_text.split()) >= 20, alt_text
+
+
+@pytest.mark.timeout(60)
+def test_every_stored_plot_in_a_notebook_has_alt_text_for_the_website():
+    """A plot drawn by a function in ddp_course leaves no title or axis label in its cell, so the website
+    cannot derive its alt text: it needs a description in website/figure_alt.json. Checked here, in the
+    main suite, because the website build only runs after the whole suite (a rehearsal once failed there)."""
+    from ddp_course.authoring import portability, website
+    from ddp_course.launch import REPO_ROOT
+
+    written = website.load_figure_alt(REPO_ROOT)
+    problems = []
+    for path in portability.all_notebooks():
+        relative = path.relative_to(REPO_ROOT).as_posix()
+        _, found = website.image_alt_texts(relative, json.loads(path.read_text()), written)
+        problems += found
+    assert problems == [], "\n".join(problems)

@@ -71,6 +71,11 @@ def statuses(verdicts) -> dict[str, str]:
     return {v.check: v.status for v in verdicts}
 
 
+def report(verdicts) -> str:
+    """Every verdict line, one per line: a failure shows the whole evidence (a list's repr is cut short)."""
+    return "\n" + "\n".join(v.line() for v in verdicts)
+
+
 def test_the_solution_passes_every_check(verdicts):
     failing = [v.line() for v in verdicts["solution"] if not v.passed]
     assert not failing, failing
@@ -80,23 +85,23 @@ def test_the_solution_passes_every_check(verdicts):
 def test_each_fault_alone_fails_its_own_check_and_no_other(verdicts, fault):
     own = faults.FAULTS[fault][0]
     found = statuses(verdicts[fault])
-    assert found[own] == "FAIL", [v.line() for v in verdicts[fault]]
+    assert found[own] == "FAIL", report(verdicts[fault])
     for check, status in found.items():
         if check == own:
             continue
         if check == NAMES[THROUGHPUT] and own in [NAMES[n] for n in checker.SIGNATURES]:
             # the fault's own signature explains a slowdown: throughput waits for it
-            assert status == "BLOCKED", [v.line() for v in verdicts[fault]]
+            assert status == "BLOCKED", report(verdicts[fault])
         elif (check == NAMES[TIMEOUT] and fault != "timeout") or (check == NAMES[ACCURACY] and fault != "learning-rate"):
             assert status == "BLOCKED" and "not run" in next(v.evidence for v in verdicts[fault] if v.check == check)
         else:
-            assert status == "PASS", [v.line() for v in verdicts[fault]]
+            assert status == "PASS", report(verdicts[fault])
 
 
 def test_a_slowdown_without_a_signature_fails_throughput_only(verdicts):
     found = statuses(verdicts["extra-work"])
-    assert found[NAMES[THROUGHPUT]] == "FAIL", [v.line() for v in verdicts["extra-work"]]
-    assert [c for c, s in found.items() if s == "FAIL"] == [NAMES[THROUGHPUT]], [v.line() for v in verdicts["extra-work"]]
+    assert found[NAMES[THROUGHPUT]] == "FAIL", report(verdicts["extra-work"])
+    assert [c for c, s in found.items() if s == "FAIL"] == [NAMES[THROUGHPUT]], report(verdicts["extra-work"])
 
 
 def test_the_unfixed_script_passes_no_check(verdicts):
@@ -104,7 +109,7 @@ def test_the_unfixed_script_passes_no_check(verdicts):
     assert found[NAMES[THROUGHPUT]] == "BLOCKED"  # every signature already fails
     # rank-balance waits for threads: oversubscribed ranks get uneven CPU time whatever their work
     assert found[NAMES[6]] in ("FAIL", "BLOCKED")
-    assert all(status == "FAIL" for check, status in found.items() if check not in (NAMES[THROUGHPUT], NAMES[6])), [v.line() for v in verdicts["unfixed"]]
+    assert all(status == "FAIL" for check, status in found.items() if check not in (NAMES[THROUGHPUT], NAMES[6])), report(verdicts["unfixed"])
 
 
 def test_a_failed_time_out_case_says_which_rank_timed_out(verdicts):
