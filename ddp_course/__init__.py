@@ -34,7 +34,8 @@ Then what the other audiences use (the learner's runtime is above):
     lectureNN_checks, calculators, virtual_ranks, memory_peaks, sharding, timeline, links, lab_sheets
                  what the lecture notebooks and lab sheets call: their self-checks, calculators and the
                  demos behind one-line calls; lab_sheets starts a sheet's jobs and prints their command
-                 lines (kept at the top: every notebook links them by these paths)
+                 lines (kept at the top: every notebook links them by these paths); lecture04_models is
+                 lecture 4's model and DDP instruments, shared by its demo script, checks and figure
     grade        python -m ddp_course.grade: every exercise of the learner, one table (the learner's command)
     checking/    what judges a learner's work by running it: the lab 3, lab 4 and lab 10 checkers, the
                  observer they launch, one Verdict type, the one list of collectives the tools wrap, and

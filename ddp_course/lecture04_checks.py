@@ -14,10 +14,8 @@ import os
 import sys
 from datetime import timedelta
 
-from ddp_course.launch import REPO_ROOT, free_port, import_script
+from ddp_course.launch import free_port
 from ddp_course.self_check import Question
-
-DEMOS = REPO_ROOT / "lectures" / "scripts" / "ddp_internals_demos.py"
 
 # ----------------------------------------------------------------------------- the self-check
 # Section 4.1: a parameter's hook clips each rank's local gradient, then DDP averages the clipped ones.
@@ -131,7 +129,8 @@ def real_launch_logs() -> dict:
     """{(find_unused_parameters, bucket_cap_mb): (buckets, iteration-3 log)} from real DDP (one process)."""
     import torch
 
-    demos = import_script(DEMOS)
+    from ddp_course import lecture04_models as demos  # torch is imported when a check runs, not with the notebook
+
     logs = {}
     with one_process_group(), quiet_stderr():
         for find_unused in (True, False):
@@ -298,7 +297,8 @@ def check_exercise_2(bf16_mean_hook) -> None:
         if not ok:
             print(f"gradients near 1e5 on two ranks: not their mean (float16's largest number is {torch.finfo(torch.float16).max:.0f})")
     if ok:  # the hook in real DDP (one process): gradients within bfloat16 rounding of DDP's own
-        demos = import_script(DEMOS)
+        from ddp_course import lecture04_models as demos
+
         with one_process_group():
             grads_hook = demos.grads_with_hook(0, bf16_mean_hook)
             grads_builtin = demos.grads_with_hook(0, None)

@@ -26,10 +26,9 @@ def measured_run() -> dict:
     """
     import torch
 
-    from ddp_course.launch import import_script
-    from ddp_course.lecture04_checks import DEMOS, one_process_group, quiet_stderr
+    from ddp_course import lecture04_models as demos
+    from ddp_course.lecture04_checks import one_process_group, quiet_stderr
 
-    demos = import_script(DEMOS)
     with one_process_group(), quiet_stderr():
         torch.manual_seed(0)
         ddp = demos.DDP(demos.OutOfOrderNet(), bucket_cap_mb=BUCKET_CAP_MB)

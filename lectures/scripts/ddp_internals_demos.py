@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_course import profiling
 from ddp_course.distributed import teardown_distributed
+from ddp_course.lecture04_models import OutOfOrderNet, batch, bucket_names, grads_with_hook, logging_hooks, train_steps
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "TORCHELASTIC_RESTART_COUNT")  # fmt: skip
@@ -61,20 +62,6 @@ def init_process_group_inline(timeout_s: float, backend: str) -> torch.device:
 # ---- models ------------------------------------------------------------------------------------
 
 
-class OutOfOrderNet(nn.Module):
-    """Four layers registered in another order than forward uses them: `head` first, used last."""
-
-    def __init__(self):
-        super().__init__()
-        self.head = nn.Linear(256, 10)  # 10 KiB of weights
-        self.embed = nn.Linear(64, 512)  # 128 KiB
-        self.hidden = nn.Linear(512, 512)  # 1 MiB
-        self.proj = nn.Linear(512, 256)  # 512 KiB
-
-    def forward(self, x):  # (B, 64) -> (B, 10)
-        return self.head(F.relu(self.proj(F.relu(self.hidden(F.relu(self.embed(x)))))))
-
-
 class WithUnused(nn.Module):
     """A model with a layer that forward skips: on every rank, or only where use_extra is True."""
 
@@ -101,16 +88,6 @@ class Growing(nn.Module):
         return self.adapter(x) if self.adapter is not None else x
 
 
-def batch(rank: int, size=(8, 64), step: int = 0) -> torch.Tensor:
-    """A different batch on every rank (as DistributedSampler gives), the same on every run."""
-    return torch.randn(size, generator=torch.Generator().manual_seed(1000 * rank + step))
-
-
-def train_steps(model, steps: int, rank: int, size=(8, 64), **forward_kwargs) -> None:
-    for step in range(steps):
-        model(batch(rank, size, step), **forward_kwargs).square().mean().backward()
-
-
 def same_on_every_rank(tensor: torch.Tensor) -> bool:
     """True when every rank holds exactly this tensor (compared with rank 0's copy)."""
     reference = tensor.detach().clone()
@@ -118,15 +95,6 @@ def same_on_every_rank(tensor: torch.Tensor) -> bool:
     equal = torch.tensor([float(torch.equal(reference, tensor.detach()))])
     dist.all_reduce(equal, op=dist.ReduceOp.MIN)
     return bool(equal.item())
-
-
-def bucket_names(ddp: DDP) -> list[list[str]]:
-    """Parameter names of each gradient bucket, in the order DDP all-reduces the buckets.
-
-    Read from the reducer's private _get_zeros_like_grad_buckets() (torch 2.14; no public API).
-    """
-    names = {p: name for name, p in ddp.module.named_parameters()}
-    return [[names[p] for p in bucket.parameters()] for bucket in ddp.reducer._get_zeros_like_grad_buckets()]
 
 
 # ---- 1. launch and process groups --------------------------------------------------------------
@@ -184,18 +152,6 @@ def demo_buckets(rank: int, world_size: int) -> dict:
         facts[label] = {"before": before, "after_step_1": after_1, "after_step_2": bucket_names(ddp),
                         "rebuilt": ddp._has_rebuilt_buckets}  # fmt: skip
     return facts
-
-
-def logging_hooks(ddp: DDP, log: list):
-    """Record, in program order, when each gradient is ready and when DDP launches each bucket."""
-    for name, parameter in ddp.module.named_parameters():
-        parameter.register_post_accumulate_grad_hook(lambda p, name=name: log.append(["ready", name]))
-
-    def launch_logger(state, bucket):
-        log.append(["launch", bucket.index()])
-        return default_hooks.allreduce_hook(state, bucket)
-
-    ddp.register_comm_hook(None, launch_logger)
 
 
 def demo_launch_order(rank: int, world_size: int) -> dict:
@@ -389,15 +345,6 @@ def blocking_allreduce_hook(process_group, bucket):
     future = torch.futures.Future()
     future.set_result(buffer)
     return future
-
-
-def grads_with_hook(rank: int, hook) -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    ddp = DDP(OutOfOrderNet(), bucket_cap_mb=0.1)
-    if hook is not None:
-        ddp.register_comm_hook(None, hook)
-    train_steps(ddp, 1, rank)
-    return [p.grad.clone() for p in ddp.module.parameters()]
 
 
 def demo_comm_hooks(rank: int, world_size: int) -> dict:
