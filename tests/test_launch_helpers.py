@@ -4,11 +4,12 @@ import_script loads a script that imports a file beside it.
 (The sheets' background jobs are ddp_course.launch.SheetJobs: tests/test_sheet_jobs.py.)
 """
 
+import ast
 import sys
 
 import pytest
 
-from ddp_course.launch import copy_with_line_after, detail_mismatches, import_script, lines_by_rank, rank_errors
+from ddp_course.launch import REPO_ROOT, copy_with_line_after, detail_mismatches, import_script, lines_by_rank, rank_errors
 
 
 def test_a_script_imports_a_file_beside_it_as_when_python_runs_it(tmp_path):
@@ -22,6 +23,21 @@ def test_a_script_imports_a_file_beside_it_as_when_python_runs_it(tmp_path):
     finally:
         for name in ("the_script", "beside_the_script"):
             sys.modules.pop(name, None)
+
+
+def test_the_package_imports_no_script_but_the_learners_chosen_module():
+    """The installed package must not load files outside itself (it works only while the install is
+    editable, and no import graph shows the edge): the one exception is --module, the learner's own
+    labs/ or solutions/ file that labs 6, 8 and 9 load by path (char_lm_job.load_learner_module)."""
+    callers = set()
+    for path in sorted((REPO_ROOT / "ddp_course").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for function in ast.walk(tree):
+            if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                for node in ast.walk(function):
+                    if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "import_script":
+                        callers.add(f"{path.relative_to(REPO_ROOT).as_posix()}:{function.name}")
+    assert callers == {"ddp_course/char_lm_job.py:load_learner_module"}
 
 
 def test_lines_by_rank_groups_and_sorts_ranks():
