@@ -202,7 +202,8 @@ def test_rounds_interleave_and_keep_the_fastest(lab5, monkeypatch, tmp_path, cap
         return {"config": config, "bucket_cap_mb": cap, "world_size": world_size, "per_rank_batch": batch,
                 "samples_per_s": next(throughputs), "step_time_s": 0.1, "comm_fraction": 0.5}  # fmt: skip
 
-    monkeypatch.setattr(lab5, "run_job", fake_job)
+    sweep = sys.modules[lab5.run_sweep.__module__]  # labs/lab5_sweep.py, which lab5_scaling.py imports
+    monkeypatch.setattr(sweep, "run_job", fake_job)
     out = tmp_path / "strong.json"
     args = lab5.parse_args(["--sweep", "1,2", "--configs", "comm_bound", "--bucket-caps", "default,25", "--global-batch", "8",
                             "--json", str(out)])  # fmt: skip
