@@ -1,13 +1,20 @@
 """labs/lab6_ddp_from_scratch.py: the check, the JSON records, the traces, training, the exercise's TODO line, bad flags.
 
 Every launch of this file starts in one module fixture, `jobs`, LAUNCHES_AT_ONCE at a time (see its
-docstring); a test waits for its own job's Future. One job with the finished wrappers (solutions) checks (ZeRO-1
+docstring); a test waits for its own job. One run with the finished wrappers (solutions) checks (ZeRO-1
 included), times, profiles and trains everything at once with small sizes and buckets of 0.5 MiB (nine
 buckets for the transformer: the interesting case for BucketedDDP) and serves five tests; one runs the
-untouched exercise. The others launch the lab on a learner's module with a plausible mistake (each must
+untouched exercise. The others run the lab on a learner's module with a plausible mistake (each must
 FAIL, never hang), on the stretch goal's file, or with one rank. Where two mistakes live in different
-parts and neither ends the job early, one launch carries both and each test reads its own line (eight
-torchrun launches). Flag checks and the script's small pieces run in-process.
+parts and neither ends the job early, one run carries both and each test reads its own line.
+
+The 2-rank runs are rows of two launches of tests/scripts/record_collectives.py --rows
+(tests/scripts/rows_launch.py): each row runs the lab as __main__ with its own argv, process group and
+output files, and its collectives' devices are checked on the way. Start-up is most of a short launch
+(about 10 CPU-seconds for 2 ranks): with a launch per run (eight torchrun launches and a plain python)
+this file cost 108-111 CPU-s, as rows about 53 (2026-11-29, 2 cores). A run that ends its process on
+purpose (the hang's deadline, gloo's abort) is the last row of its launch.
+The 1-rank run keeps a launch of its own.
 Timing targets are the benchmark's business (benchmarks/lab6_ddp_from_scratch.py), not asserted here.
 """
 
@@ -15,8 +22,6 @@ import ast
 import json
 import re
 import statistics
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -27,6 +32,7 @@ from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 from ddp_course.profiling import overlap_summary, read_traces
 
 LAB6 = REPO_ROOT / "labs" / "lab6_ddp_from_scratch.py"
+rows_launch = import_script(REPO_ROOT / "tests" / "scripts" / "rows_launch.py", "rows_launch")
 IMPLS = ["naive", "overlap", "bucketed", "torch"]
 SMALL = ["--check-steps", "3", "--warmup-steps", "1", "--steps", "2", "--repeats", "2"]
 # Enough AdamW steps for the loss to fall clearly: at 20 the job-wide loss goes 4.64 -> 3.13 (steps 19-20),
@@ -36,10 +42,11 @@ RECORD_KEYS = {"impl", "bucket_cap_mb", "world_size", "step_time_s", "max_abs_di
                "max_abs_diff_vs_torch_ddp", "tolerance", "check_passed", "vs_torch_ddp", "step_time_no_sync_s"}  # fmt: skip
 
 
-# Jobs at a time (an agent and 1 or 2 ranks each): the 2 cores stay busy while a job starts up
-# (imports torch), waits on gloo or on its hang's deadline, which is most of a small job's time.
-# 2 or 3 at once: 42-46 s alone either way; 2 used fewer CPU-seconds (73-82 against 77-85 with 3).
+# Launches at a time (an agent and 1 or 2 ranks each): the 2 cores stay busy while a launch starts up
+# (imports torch), waits on gloo or on its hang's deadline, which is much of a small job's time.
 LAUNCHES_AT_ONCE = 2
+# Each rows launch runs several lab runs one after another; far above their healthy time on a busy machine.
+ROWS_LAUNCH_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
@@ -47,59 +54,84 @@ def lab6():
     return import_script(LAB6)
 
 
-def solutions_launch(folder):
-    """The finished wrappers, everything at once: (RunResult, its JSON records, its folder)."""
-    args = ["--module", "solutions", "--bucket-cap-mb", "0.5", "--json", folder / "r.json", "--profile", folder / "traces",
-            "--train-steps", TRAIN_STEPS, "--zero", *SMALL]  # fmt: skip
-    result = run_torchrun(LAB6, args, nproc=2, timeout_s=240)
-    assert result.ok, result.describe()
-    return result, json.loads((folder / "r.json").read_text()), folder
+def solutions_row(folder):
+    """The finished wrappers, everything at once: (script, flags, expected exit status)."""
+    return LAB6, ["--module", "solutions", "--bucket-cap-mb", "0.5", "--json", folder / "r.json", "--profile", folder / "traces",
+                  "--train-steps", TRAIN_STEPS, "--zero", *SMALL], 0  # fmt: skip
+
+
+def row_plan():
+    """{launch: {run: how to prepare it in its folder -> (script, flags, expected exit status)}}, rows in order.
+
+    The last row of each launch ends its process on purpose (a hang's deadline; gloo aborting on buckets
+    of different sizes), so nothing may follow it. The solutions run, the longest, has a launch of its
+    own with the other; the learners' files take the other launch."""
+    return {
+        "learners' files": {
+            "exercise": lambda folder: (LAB6, ["--module", "labs", "--impl", "naive", "--repeats", "0"], 1),
+            "stretch copied": lambda folder: stretch_row(folder),
+            # two wrong answers in one file: NaiveDDP without the division, a ShardedOptimizer that never broadcasts
+            "stretch broken, no broadcast": lambda folder: stretch_row(folder, (NAIVE_DIVISION, ""), (BROADCAST, ""), zero=True),
+            "no division, no shards": lambda folder: wrong_solution_row(folder, NO_DIVISION_ARGS, DIVISION, "", SHARDS),
+            # the stretch file as shipped (a docstring); a relative path, as a learner types it (the launch runs in the clone)
+            "stretch untouched": lambda folder: (LAB6, ["--file", "labs/naive_ddp_stretch.py", *STRETCH_ARGS], 1),
+            "missing gradient": lambda folder: wrong_solution_row(folder, MISSING_GRADIENT_ARGS, LAUNCH_THE_REST, WAIT_FOR_HOOKS),
+        },
+        "solutions": {
+            "solutions": solutions_row,
+            "ready order": lambda folder: wrong_solution_row(folder, READY_ORDER_ARGS, *READY_ORDER),
+        },
+    }
+
+
+class Jobs:
+    """Every run of this file: .row(name) -> the RowRun of a 2-rank run; .one_rank -> the Future of the 1-rank launch."""
+
+    def __init__(self, pool, tmp_path_factory):
+        self.rows, self.launches = {}, {}  # run -> (launch, Run, its folder); launch -> Future of its RunResult
+        for launch, runs in row_plan().items():
+            entries = []
+            for name, prepare in runs.items():
+                folder = tmp_path_factory.mktemp(rows_launch.row_name((name,)).replace(",", ""))
+                script, flags, expected_status = prepare(folder)
+                run = rows_launch.Run(2, script, [str(flag) for flag in flags], expected_status)
+                self.rows[name] = (launch, run, folder)
+                entries.append(rows_launch.row_entry((name,), run, folder / "out", run.flags))
+            self.launches[launch] = pool.submit(rows_launch.launch_rows, entries, tmp_path_factory.mktemp("rows"), 2,
+                                                ROWS_LAUNCH_TIMEOUT_S)  # fmt: skip
+        self.one_rank = pool.submit(one_rank_launch, tmp_path_factory.mktemp("one"))
+
+    def row(self, name):
+        launch, run, folder = self.rows[name]
+        return rows_launch.RowRun((name,), run, folder / "out", self.launches[launch].result())
+
+    def folder(self, name):
+        return self.rows[name][2]
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """Every launch of this file, started at once and run LAUNCHES_AT_ONCE at a time: {name: Future}.
-
-    A test waits for its own job's result, so a failed job fails only the tests that read it. The
-    solutions job, the longest, goes first. Jobs are independent (each its own folder, torchrun
-    --standalone picks a free port), so running them side by side changes no assertion.
-    """
-
-    def folder(name):
-        return tmp_path_factory.mktemp(name)
-
-    # The hanging job starts second, so that its idle wait for the deadline overlaps the solutions job.
-    # A rank that crashes at exit fails its test: no relaunch here (a rerun would only hide it).
+    """Every launch of this file, started at once and run LAUNCHES_AT_ONCE at a time (the two rows launches
+    first). A test waits for its own run, so a failed launch fails only the tests that read it (and, in a
+    rows launch, a row that does not end as expected stops the rows after it: their tests say so).
+    Launches are independent (torchrun --standalone picks a free port), so running them side by side
+    changes no assertion. A rank that crashes at exit fails its test: no relaunch here."""
     with ThreadPoolExecutor(max_workers=LAUNCHES_AT_ONCE) as pool:
-        futures = {
-            "solutions": pool.submit(solutions_launch, folder("solutions")),
-            "missing gradient": pool.submit(run_with_a_wrong_solution, folder("missing"), MISSING_GRADIENT_ARGS,
-                                            LAUNCH_THE_REST, WAIT_FOR_HOOKS),
-            "exercise": pool.submit(run_torchrun, LAB6, ["--module", "labs", "--impl", "naive", "--repeats", "0"],
-                                    nproc=2, timeout_s=120),
-            "no division, no shards": pool.submit(run_with_a_wrong_solution, folder("nodiv"), NO_DIVISION_ARGS,
-                                                  DIVISION, "", SHARDS),
-            "ready order": pool.submit(run_with_a_wrong_solution, folder("ready"), READY_ORDER_ARGS, *READY_ORDER),
-            "stretch copied": pool.submit(stretch_launch, folder("copied")),
-            # two wrong answers in one file: NaiveDDP without the division, a ShardedOptimizer that never broadcasts
-            "stretch broken, no broadcast": pool.submit(stretch_launch, folder("broken"), (NAIVE_DIVISION, ""),
-                                                        (BROADCAST, ""), zero=True),
-            # one process, plain python: the stretch file as shipped (a docstring)
-            "stretch untouched": pool.submit(subprocess.run, [sys.executable, LAB6, "--file", "labs/naive_ddp_stretch.py",
-                                             *STRETCH_ARGS], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT),
-            "one rank": pool.submit(one_rank_launch, folder("one")),
-        }
-        yield futures  # leaving the block waits for every job, also when a test failed
+        yield Jobs(pool, tmp_path_factory)  # leaving the block waits for every launch, also when a test failed
 
 
 @pytest.fixture(scope="module")
 def solutions_job(jobs):
-    return jobs["solutions"].result()
+    """The solutions run: (its RowRun, its JSON records, its folder)."""
+    run = jobs.row("solutions")
+    assert run.ended_as_expected(), run.describe()
+    folder = jobs.folder("solutions")
+    return run, json.loads((folder / "r.json").read_text()), folder
 
 
 @pytest.fixture(scope="module")
 def exercise_job(jobs):
-    return jobs["exercise"].result()
+    return jobs.row("exercise")
 
 
 @pytest.mark.timeout(420)  # this test may wait for the jobs queued before its own
@@ -112,7 +144,7 @@ def test_every_finished_wrapper_matches_one_process_and_torch_ddp(solutions_job)
         assert record["max_abs_diff_vs_torch_ddp"] <= record["tolerance"]
     # The tolerance is a few e-5 (64 x 3 steps x float32 eps x max|w|, the largest weight about 1).
     assert 1e-5 < records[0]["tolerance"] < 1e-4
-    lines = result.stdout.splitlines()
+    lines = result.job_stdout().splitlines()
     # Each from-scratch wrapper: the transformer, then the two small models (rank-dependent order, unused parameters).
     assert [line.split()[0] for line in lines if line.endswith("PASS")] == [
         *["naive"] * 3, *["overlap"] * 3, *["bucketed"] * 3, "torch", "zero-1"]
@@ -139,7 +171,7 @@ def test_json_records_and_timing_table(solutions_job):
         paired = [mine / theirs for mine, theirs in zip(record["step_times_s"], torch_record["step_times_s"])]
         assert record["vs_torch_ddp"] == pytest.approx(statistics.median(paired), rel=1e-12)
     assert records[0]["module"] == "solutions"
-    assert "vs_torch_ddp" in result.stdout and "config: impls=naive,overlap,bucketed,torch" in result.stdout
+    assert "vs_torch_ddp" in result.job_stdout() and "config: impls=naive,overlap,bucketed,torch" in result.job_stdout()
 
 
 @pytest.mark.timeout(420)
@@ -165,31 +197,32 @@ def test_training_loss_falls(solutions_job):
     first, last = curve[0][1], curve[-1][1]
     assert 4.3 < first < 4.9  # about ln(97) = 4.57: the untrained model guesses uniformly
     assert last < 0.8 * first, curve
-    assert f"training with bucketed: {TRAIN_STEPS} AdamW steps" in result.stdout
+    assert f"training with bucketed: {TRAIN_STEPS} AdamW steps" in result.job_stdout()
 
 
 @pytest.mark.timeout(420)
 def test_untouched_exercise_ends_with_one_line_naming_the_todo(exercise_job):
     result = exercise_job
-    assert result.returncode not in (0, None), result.describe()
-    errors = [line for line in result.stderr.splitlines() if line.startswith("lab6_ddp_from_scratch.py: error:")]
+    assert result.ended_as_expected(), result.describe()  # exit status 1 on every rank
+    errors = [line for line in result.job_stderr().splitlines() if line.startswith("lab6_ddp_from_scratch.py: error:")]
     assert len(errors) == 1, result.describe()
     assert "labs/minddp.py is not finished: TODO(lab 6, part 1)" in errors[0]
-    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr, result.describe()
+    assert not result.a_rank_printed_a_traceback(), result.describe()
 
 
 @pytest.mark.timeout(420)
 def test_the_zero_check_passes_and_shows_the_state_halved(solutions_job):
     result, _, _ = solutions_job
-    line = re.search(r"^  zero-1 .*$", result.stdout, re.MULTILINE)
+    line = re.search(r"^  zero-1 .*$", result.job_stdout(), re.MULTILINE)
     assert line and line.group(0).endswith("PASS"), result.describe()
     # 2 ranks: half of AdamW's state, within the bound 1/2 + the largest tensor's share (65,536 of 813,952)
     assert "state on the fullest rank 0.50 of AdamW's (at most 1/world_size + largest tensor / all = 0.50 + 0.08)" in line.group(0)
 
 
-def run_with_a_wrong_solution(folder, args, correct_line, wrong_line="", *more_changes):
-    """Run the lab on a learner's labs/minddp.py: the solution with correct_line replaced by wrong_line
-    (and each further (correct, wrong) pair of more_changes)."""
+def wrong_solution_row(folder, args, correct_line, wrong_line="", *more_changes):
+    """The lab on a learner's labs/minddp.py: the solution with correct_line replaced by wrong_line (and each
+    further (correct, wrong) pair of more_changes), in a copy of the lab beside it. Every one must fail:
+    (script, flags, expected exit status 1)."""
     (folder / "labs").mkdir()
     (folder / "labs" / LAB6.name).write_text(LAB6.read_text())
     solution = (REPO_ROOT / "solutions" / "minddp.py").read_text()
@@ -197,7 +230,7 @@ def run_with_a_wrong_solution(folder, args, correct_line, wrong_line="", *more_c
         assert correct in solution, correct
         solution = solution.replace(correct, wrong)
     (folder / "labs" / "minddp.py").write_text(solution)
-    return run_torchrun(folder / "labs" / LAB6.name, args, nproc=2, timeout_s=120, cwd=folder)
+    return folder / "labs" / LAB6.name, args, 1
 
 
 # ShardedOptimizer that keeps every parameter's state on every rank: right weights, nothing saved.
@@ -214,12 +247,12 @@ def test_a_wrapper_that_forgets_to_divide_and_an_optimizer_that_does_not_shard_f
     """Two plausible wrong answers in one launch: BucketedDDP without the division by the world size
     (every rank steps with the sum of the gradients), and a ShardedOptimizer whose every rank holds all
     of AdamW's state (its weights are right: only the state check can catch it)."""
-    result = jobs["no division, no shards"].result()
-    assert result.returncode == 1, result.describe()
-    assert re.search(r"^  bucketed +max\|w - one process\| .* FAIL$", result.stdout, re.MULTILINE), result.describe()
-    zero = re.search(r"^  zero-1 .*$", result.stdout, re.MULTILINE).group(0)
+    result = jobs.row("no division, no shards")
+    assert result.ended_as_expected(), result.describe()  # exit status 1 on every rank
+    assert re.search(r"^  bucketed +max\|w - one process\| .* FAIL$", result.job_stdout(), re.MULTILINE), result.describe()
+    zero = re.search(r"^  zero-1 .*$", result.job_stdout(), re.MULTILINE).group(0)
     assert "max|w - AdamW| 0.0e+00" in zero and "fullest rank 1.00 of AdamW's" in zero and zero.endswith("FAIL"), zero
-    assert "lab6_ddp_from_scratch.py: error: the check FAILED" in result.stderr
+    assert "lab6_ddp_from_scratch.py: error: the check FAILED" in result.job_stderr()
 
 
 READY_ORDER = (
@@ -242,10 +275,10 @@ def test_a_bucketed_ddp_that_launches_in_ready_order_fails_the_check(jobs):
     """The transformer readies its gradients in the same order on every rank, so it passes; the small
     model whose order depends on the rank does not (rank 0's bucket of b is summed with rank 1's of a).
     The next small model then mixes buckets of different sizes: gloo aborts the job, which exits non-zero."""
-    result = jobs["ready order"].result()
-    assert result.returncode not in (0, None), result.describe()
-    assert re.search(r"^  bucketed +max\|w - one process\| .* PASS$", result.stdout, re.MULTILINE), result.describe()
-    assert re.search(r"^  bucketed +rank-dependent order +max\|w - one process\| .* FAIL$", result.stdout, re.MULTILINE)
+    result = jobs.row("ready order")
+    assert result.failed_by_itself(), result.describe()  # not killed by the launch's time limit
+    assert re.search(r"^  bucketed +max\|w - one process\| .* PASS$", result.job_stdout(), re.MULTILINE), result.describe()
+    assert re.search(r"^  bucketed +rank-dependent order +max\|w - one process\| .* FAIL$", result.job_stdout(), re.MULTILINE)
 
 
 LAUNCH_THE_REST = """        for index in range(self._next_to_launch, len(self.launch_order)):
@@ -264,11 +297,11 @@ MISSING_GRADIENT_ARGS = ["--impl", "overlap", "--check-steps", "1", "--repeats",
 def test_a_wrapper_that_waits_for_a_missing_gradient_fails_instead_of_hanging(jobs):
     """OverlapDDP that waits, in finish_gradient_synchronization(), for hooks that never fire (the
     parameter unused on a rank): the case's deadline turns the hang into a FAIL line and ends the job."""
-    result = jobs["missing gradient"].result()
-    assert result.returncode not in (0, None), result.describe()  # None: killed by the test's own timeout
+    result = jobs.row("missing gradient")
+    assert result.failed_by_itself(), result.describe()  # not killed by the launch's time limit
     assert re.search(rf"^\[rank \d\]   overlap   unused on a rank   FAIL: still running after {CASE_DEADLINE_S} s",
-                     result.stdout, re.MULTILINE), result.describe()
-    assert "lab6_ddp_from_scratch.py: error: the check FAILED: overlap hung" in result.stderr
+                     result.job_stdout(), re.MULTILINE), result.describe()
+    assert "lab6_ddp_from_scratch.py: error: the check FAILED: overlap hung" in result.job_stderr()
 
 
 # What the stretch goal's file needs for --impl naive; with --zero also part 4's optimizer and its helpers.
@@ -296,32 +329,32 @@ NAIVE_DIVISION = "            param.grad.div_(self.world_size)\n"
 STRETCH_ARGS = ["--impl", "naive", "--check-steps", "2", "--repeats", "0"]
 
 
-def stretch_launch(folder, *changes, zero=False):
-    """--file: the lab on solutions' NaiveDDP copied into an otherwise empty file (with changes applied);
-    zero: the file also holds solutions' ShardedOptimizer, and the lab checks it too (--zero)."""
+def stretch_row(folder, *changes, zero=False):
+    """--file: the lab on solutions' NaiveDDP copied into an otherwise empty file (with changes applied: then it
+    must fail); zero: the file also holds solutions' ShardedOptimizer, and the lab checks it too (--zero)."""
     path = naive_ddp_in_an_empty_file(folder / "stretch", *changes, names=NAIVE_DDP_NAMES + (ZERO_NAMES if zero else ()))
-    return run_torchrun(LAB6, ["--file", path, *STRETCH_ARGS, *(["--zero"] if zero else [])], nproc=2, timeout_s=120)
+    return LAB6, ["--file", path, *STRETCH_ARGS, *(["--zero"] if zero else [])], 1 if changes else 0
 
 
 @pytest.mark.timeout(420)
 def test_the_stretch_goal_checks_naive_ddp_from_its_own_file(jobs):
     """--file: the solution's NaiveDDP copied into an otherwise empty file passes part 1's check; the same
-    file without the division by the world size fails it (the launch that also checks a ShardedOptimizer
+    file without the division by the world size fails it (the run that also checks a ShardedOptimizer
     that never broadcasts, below); the untouched stretch file gets one line."""
-    result = jobs["stretch copied"].result()
-    assert result.ok, result.describe()
-    assert re.search(r"^  naive +max\|w - one process\| .* PASS$", result.stdout, re.MULTILINE), result.describe()
-    assert len(re.findall(r"^  naive .* PASS$", result.stdout, re.MULTILINE)) == 3  # the transformer, two small models
+    result = jobs.row("stretch copied")
+    assert result.ended_as_expected(), result.describe()  # exit status 0 on every rank
+    assert re.search(r"^  naive +max\|w - one process\| .* PASS$", result.job_stdout(), re.MULTILINE), result.describe()
+    assert len(re.findall(r"^  naive .* PASS$", result.job_stdout(), re.MULTILINE)) == 3  # the transformer, two small models
 
-    result = jobs["stretch broken, no broadcast"].result()
-    assert result.returncode == 1, result.describe()
-    assert re.search(r"^  naive +max\|w - one process\| .* FAIL$", result.stdout, re.MULTILINE), result.describe()
-    assert "lab6_ddp_from_scratch.py: error: the check FAILED" in result.stderr
+    result = jobs.row("stretch broken, no broadcast")
+    assert result.ended_as_expected(), result.describe()  # exit status 1 on every rank
+    assert re.search(r"^  naive +max\|w - one process\| .* FAIL$", result.job_stdout(), re.MULTILINE), result.describe()
+    assert "lab6_ddp_from_scratch.py: error: the check FAILED" in result.job_stderr()
 
-    # one process, plain python: the stretch file as shipped (a docstring) gets exactly one line, no traceback
-    untouched = jobs["stretch untouched"].result()
-    assert untouched.returncode == 1, untouched.stderr
-    assert untouched.stderr.strip().splitlines() == [
+    # the stretch file as shipped (a docstring) gets exactly one line for the job (rank 0's), no traceback
+    untouched = jobs.row("stretch untouched")
+    assert untouched.ended_as_expected(), untouched.describe()  # exit status 1 on every rank
+    assert untouched.job_stderr().strip().splitlines() == [
         "lab6_ddp_from_scratch.py: error: labs/naive_ddp_stretch.py defines no NaiveDDP: write it there, "
         "or pick another --impl (the stretch goal is --impl naive)"]
 
@@ -335,7 +368,7 @@ def one_rank_launch(folder):
 def test_one_rank_passes_and_skips_the_control(jobs):
     """With one process the "no sync" control trains on the whole batch, as the reference does: it cannot
     differ, so it is skipped with a note, and the finished module passes (torchrun --nproc_per_node=1)."""
-    result, records = jobs["one rank"].result()
+    result, records = jobs.one_rank.result()
     assert result.ok, result.describe()
     assert "  no sync   skipped: with one process it trains on the whole batch" in result.stdout
     assert all(record["check_passed"] and record["world_size"] == 1 for record in json.loads(records.read_text()))
@@ -349,12 +382,12 @@ def test_a_sharded_optimizer_that_never_broadcasts_fails_the_zero_check(jobs):
     """Part 4's plausible wrong answer: each rank steps its own shard and never sends it, so every rank
     keeps stale copies of the parameters it does not own. It shares a launch with the stretch goal's
     NaiveDDP without the division: the zero-1 line is this optimizer's verdict alone (torch DDP, AdamW)."""
-    result = jobs["stretch broken, no broadcast"].result()
-    assert result.returncode == 1, result.describe()
-    zero = re.search(r"^  zero-1 .* FAIL$", result.stdout, re.MULTILINE)
+    result = jobs.row("stretch broken, no broadcast")
+    assert result.ended_as_expected(), result.describe()  # exit status 1 on every rank
+    zero = re.search(r"^  zero-1 .* FAIL$", result.job_stdout(), re.MULTILINE)
     assert zero, result.describe()
     assert "fullest rank 0.50 of AdamW's" in zero.group(0), zero.group(0)  # it shards: only the weights are wrong
-    assert "lab6_ddp_from_scratch.py: error: the check FAILED" in result.stderr
+    assert "lab6_ddp_from_scratch.py: error: the check FAILED" in result.job_stderr()
 
 
 @pytest.mark.parametrize(

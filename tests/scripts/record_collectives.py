@@ -20,8 +20,10 @@ Several scripts in one launch (most of a launch is Python and torch start-up, ab
 
 ROWS.json is a list of {"name": ..., "script": ..., "args": [...]}, each optionally with
 "expect_status" (the exit status the row must end with, 0 unless given: a lab's planted bug or bad
-flag exits non-zero on purpose) and "out_dir" (the row's own stdout and stderr, as
-out_dir/stdout-r<rank>.txt and stderr-r<rank>.txt, instead of the launch's shared streams). Each
+flag exits non-zero on purpose), "out_dir" (the row's own stdout and stderr, as
+out_dir/stdout-r<rank>.txt and stderr-r<rank>.txt, instead of the launch's shared streams) and
+"late_start" ({"rank": r, "seconds": s}: rank r starts the row s seconds after its peers, which then
+wait for it in the script's own set-up - a slow rank, without a launch of its own). Each
 rank imports torch once and runs the rows one after another, each as __main__ with its own argv;
 the ranks start each row together (a barrier on torchrun's store: a row with a short timeout must
 not spend it waiting for a peer still busy with the previous row); calls are counted per row and
@@ -46,6 +48,7 @@ import functools
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -118,9 +121,16 @@ def report(row: str | None = None, status: int | None = None) -> None:
     sys.stdout.flush()
 
 
-def forget_the_last_row(row: dict) -> None:
+def start_the_row(row: dict) -> None:
+    """Forget the last row's calls; the row's late rank, if any, waits before the row starts (its peers run it)."""
     calls.clear()
     violations.clear()
+    late = row.get("late_start")
+    if late and os.environ.get("RANK") == str(late["rank"]):
+        # On the launch's stderr: the row's own files are opened after this, when the script starts.
+        sys.stderr.write(f"late start: rank {late['rank']} sleeps {late['seconds']} s before row {row['name']}\n")
+        sys.stderr.flush()
+        time.sleep(late["seconds"])
 
 
 def report_row(row: dict, status: int) -> None:
@@ -133,7 +143,7 @@ if __name__ == "__main__":
         give_each_group_its_own_store_keys("row")
         with open(sys.argv[2]) as rows_file:
             rows = json.load(rows_file)
-        status = run_rows(rows, os.path.dirname(os.path.abspath(sys.argv[2])), forget_the_last_row, report_row)
+        status = run_rows(rows, os.path.dirname(os.path.abspath(sys.argv[2])), start_the_row, report_row)
         sys.stdout.flush()
         sys.stderr.flush()
         # os._exit: after a failing row a peer may be blocked in a collective, and torchrun must see the status.
