@@ -17,8 +17,12 @@ def table(markdown: str) -> tuple[list[str], list[list[str]]]:
     lines = [line for line in markdown.splitlines() if line.startswith("|")]
     header, rule, *rows = lines
     assert set(rule) <= set("|-: "), rule
-    cells = lambda line: [cell.strip() for cell in line.strip("|").split(" | ")]  # noqa: E731 (no cell holds " | ")
     return cells(header), [cells(row) for row in rows]
+
+
+def cells(line: str) -> list[str]:
+    """A table row's cells (no cell of these tables holds " | ")."""
+    return [cell.strip() for cell in line.strip("|").split(" | ")]
 
 
 def test_the_learners_checklist_has_no_answer_column_and_its_answers_are_in_solutions():
