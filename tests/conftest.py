@@ -122,7 +122,8 @@ def refused_flag_line(capsys):
 # module listed as unit that starts one fails there with its name.
 CLUSTER_MODULES = {"test_multinode"}
 UNIT_MODULES = {
-    "test_02_collectives_exercises", "test_amp_choice", "test_budget", "test_calculators", "test_cross_references",
+    "test_02_collectives_exercises", "test_amp_choice", "test_budget", "test_calculators", "test_convert_checklist",
+    "test_cross_references",
     "test_diagrams", "test_lab_sheets", "test_self_check", "test_suite_budget", "test_verdict",
     "test_exercises_in_step", "test_faults", "test_launch_failures", "test_launch_helpers",
     "test_lecture01_calculator", "test_lecture01_exercises", "test_lecture02_ddp_buckets",
