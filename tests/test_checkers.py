@@ -56,7 +56,10 @@ wall and 243 CPU-s here (66 tests); the spawn run alone took 126-135 s of that, 
 solution (fork) 59 s. With lab 3's rows on 3 ranks, four more mistakes (60 lab 3 runs) and the
 spawn launch cut to one epoch on 2 ranks (29 Nov 2026, same machine): 115 s wall and 171 CPU-s
 before (66 tests, load average 5-6), 519 s wall and 322 CPU-s here (70 tests, load average 11-17
-from other test runs; the spawn launch 44 s of it). Each test waits only
+from other test runs; the spawn launch 44 s of it). With the exercise's check and the spawn row moved
+into lab 4's rows launch (5 launches instead of 7) and each lab 3 pair judged once, back to back with
+the file as it was (29 Nov 2026 21:40-21:47 UTC, load average 6-8 from other test runs): 255 CPU-s
+and 189 s wall before, 206 CPU-s and 198 s wall here (71 tests each). Each test waits only
 for its own job, and the in-process work (the bad command lines, judging the rows) runs while later
 jobs still run.
 
