@@ -18,7 +18,7 @@
 Each job is a real torchrun job (2 gloo ranks on the CPU, 3 for lab 3's checker) under the observer. Nearly all of a job's
 CPU is start-up (Python and torch imports: about 10 CPU-seconds for torchrun's agent and 2 ranks),
 not its 2 epochs of training (issue 22). So the file launches as few jobs as its proofs need, and
-ONE module fixture, `jobs`, starts all 7 launches of both checkers:
+ONE module fixture, `jobs`, starts all 5 launches of both checkers:
 
 - ONE launch for lab 3: the solution, its planted mistakes and its correct variants, each run twice as the checker runs
   it (straight, then resumed from its epoch-1 checkpoint), one after another in the same 3 ranks as three
@@ -26,18 +26,21 @@ ONE module fixture, `jobs`, starts all 7 launches of both checkers:
   and output files), each pair judged by the checker's judge(). LOCAL_RANK is 0 on every rank, which
   the local-rank-sampler mistake needs to show. The learner's command, the checker's main(), runs
   in this process on the solution's pair (its launch would repeat these runs);
-- ONE launch for lab 4's 8 planted bugs and its solution, on one node as its checker runs them;
-  bug 5's row is rescued by the observer, and the solution runs after it and must pass; lab 3's
-  solution, trained with its defaults on these 2 ranks, is the launch's last row;
-- `python labs/lab4_check.py` on lab 4's exercise, end to end (exit status, output);
+- ONE launch for lab 4's 8 planted bugs, its exercise and its solution, on one node as its checker runs
+  them; the rows of bug 5 and of the exercise are rescued by the observer, and the solution runs after
+  them and must pass. The learner's command, `python labs/lab4_check.py`, is its main() run in this
+  process on the exercise's row (exit status, output). Lab 3's solution, trained with its defaults on
+  these 2 ranks, and one epoch of it observed as lab 3's checker observes it under the spawn start
+  method (the row's DataLoader workers are spawned: a sitecustomize.py on the launch's PYTHONPATH
+  does it, and counts the processes spawn started) are the launch's last rows. Until 29 Nov 2026 the
+  exercise's check and the spawn row each had a launch of their own (about 10 CPU-seconds of
+  start-up each), and before that the spawn launch was the whole checker end to end under spawn (6
+  spawned workers in 2 runs, 126-135 s of wall time on a loaded machine); the checker's own process
+  starts no worker, so the observed job is what spawn changes;
 - lab 4's job that hangs and its unrescued exercise, each in a launch of its own: one is killed at
-  the checker's limit, the other dies at gloo's timeout, and both spend most of their time waiting;
-- lab 4's minimal hang under TORCH_DISTRIBUTED_DEBUG=DETAIL;
-- one epoch of lab 3's solution, observed as lab 3's checker observes it, under the spawn start method
-  (a sitecustomize.py on PYTHONPATH forces it, and counts the processes spawn started): the one
-  spawn launch. Until 29 Nov 2026 this was the whole checker end to end under spawn (6 spawned
-  workers in 2 runs, 126-135 s of wall time on a loaded machine); the checker's own process starts
-  no worker, so the observed job is what spawn changes.
+  the checker's limit, the other dies at gloo's timeout, and both spend most of their time waiting
+  (they are the checker's own observe(), launch and all);
+- lab 4's minimal hang under TORCH_DISTRIBUTED_DEBUG=DETAIL.
 
 Both checkers are in one file so that their launches share one pool: the CPU-bound ones keep the 2
 cores busy while the hung job waits for its limit (see `jobs` for the order). Measured against the
@@ -53,7 +56,10 @@ wall and 243 CPU-s here (66 tests); the spawn run alone took 126-135 s of that, 
 solution (fork) 59 s. With lab 3's rows on 3 ranks, four more mistakes (60 lab 3 runs) and the
 spawn launch cut to one epoch on 2 ranks (29 Nov 2026, same machine): 115 s wall and 171 CPU-s
 before (66 tests, load average 5-6), 519 s wall and 322 CPU-s here (70 tests, load average 11-17
-from other test runs; the spawn launch 44 s of it). Each test waits only
+from other test runs; the spawn launch 44 s of it). With the exercise's check and the spawn row moved
+into lab 4's rows launch (5 launches instead of 7) and each lab 3 pair judged once, back to back with
+the file as it was (29 Nov 2026 21:40-21:47 UTC, load average 6-8 from other test runs): 255 CPU-s
+and 189 s wall before, 206 CPU-s and 198 s wall here (71 tests each). Each test waits only
 for its own job, and the in-process work (the bad command lines, judging the rows) runs while later
 jobs still run.
 
@@ -63,6 +69,7 @@ test_observed_ranks_read_the_same_digits proves the tensors equal).
 """
 
 import ast
+import functools
 import os
 import re
 import shutil
@@ -74,7 +81,7 @@ import torch
 
 from ddp_course.checking.verdict import summary
 from ddp_course.data import load_digits
-from ddp_course.launch import REPO_ROOT, import_script, run_command, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 
 BROKEN = REPO_ROOT / "labs" / "lab4_broken_ddp.py"
 LAB4_SOLUTION = REPO_ROOT / "solutions" / "lab4_broken_ddp.py"
@@ -332,28 +339,27 @@ UNRESCUED_JOB_LIMIT_S = 90
 # 15-17 s (a run is about 0.5 s once torch._dynamo is imported and gc.freeze() keeps the collector's
 # work small, see ddp_course/checking/observer.py); the limit is for a much slower machine.
 ROWS_TIMEOUT_S = 600
-# `python labs/lab4_check.py --job-timeout-s 120` on the exercise: 16-18 s alone on 2 quiet cores. It runs
-# beside the rows launch, which now takes minutes on a loaded machine; the checker's default limit (60 s)
-# killed it once at a load average of 11 (91 s), so it gets the limit a slow machine is told to use.
-BROKEN_JOB_LIMIT_S = 120
-BROKEN_COMMAND_TIMEOUT_S = 200
 # The minimal hang: 5-7 s.
 MINIMAL_HANG_TIMEOUT_S = 120
-# The spawn launch (below): one epoch of lab 3's solution on 2 ranks, each epoch's DataLoader worker a new
-# Python that imports torch and the script. The whole checker under spawn (6 workers in its 2 runs) took
-# 126 s at a load average of 12-15 on this 2-core machine (28 Nov 2026); this launch took 44 s at a load
-# average of 11-17 (29 Nov 2026).
-SPAWN_JOB_LIMIT_S = 300
-
 # The start method of macOS and Windows: each DataLoader worker is a fresh Python that unpickles the
-# dataset. A sitecustomize.py on PYTHONPATH forces it in every Python process of a job (agents, ranks,
-# their workers) on Linux, whose default is fork, and logs each process that spawn started (its command
-# line ends with --multiprocessing-fork), so the test knows the workers really were spawned.
-SPAWN_SITECUSTOMIZE = """import multiprocessing
+# dataset. It is the start method of one row of lab 4's rows launch (its last, "spawn"): a sitecustomize.py
+# on that launch's PYTHONPATH makes the default context (the one a DataLoader starts its workers with)
+# use ROW_START_METHOD while a row's env sets it, Linux's fork otherwise, and logs each process that spawn
+# started (its command line ends with --multiprocessing-fork), so the test knows the workers really were
+# spawned. Before 29 Nov 2026 the spawn row had a launch of its own (the agent's and 2 ranks' start-up,
+# about 10 CPU-seconds, for one run).
+SPAWN_SITECUSTOMIZE = """import multiprocessing.context
 import os
 import sys
 
-multiprocessing.set_start_method("spawn", force=True)
+_default_get_context = multiprocessing.context.DefaultContext.get_context
+
+
+def get_context(self, method=None):
+    return _default_get_context(self, method or os.environ.get("ROW_START_METHOD"))
+
+
+multiprocessing.context.DefaultContext.get_context = get_context
 if "--multiprocessing-fork" in sys.argv:
     with open(os.environ["SPAWNED_LOG"], "a") as log:
         log.write(f"{os.getpid()}\\n")
@@ -427,12 +433,15 @@ def checker(convert_checker):
     return convert_checker.lab4
 
 
-def observe_lab4_rows(checker, folder) -> dict:
+def observe_lab4_rows(checker, convert_checker, folder) -> dict:
     """{row name: Observation} of lab 4's rows, from ONE launch on one node as lab 4's checker runs its
-    job: bugs 1 to 7 (names 1 to 7), the other spellings of its bugs (SPELLINGS), then lab 4's solution
-    ("lab4-solution"), then lab 3's solution trained with its defaults ("trained"). Bug 5's row is rescued by the observer and finishes; the solution comes last, so
-    the rows after a rescued one are checked to be unharmed. A row that fails ends the launch: its test
-    and those of the rows after it fail, each with the row's own output."""
+    job: bugs 1 to 7 (names 1 to 7), the other spellings of its bugs (SPELLINGS), the exercise as it is
+    ("exercise", what `python labs/lab4_check.py` runs), then lab 4's solution ("lab4-solution"), then
+    lab 3's solution trained with its defaults ("trained"), then one epoch of lab 3's solution under the
+    spawn start method ("spawn", see spawn_row). The rows of bug 5 and of the exercise are rescued by the
+    observer and finish; the solution comes after them, so the rows after a rescued one are checked to
+    be unharmed. A row that fails ends the launch: its test and those of the rows after it fail, each
+    with the row's own output."""
     rows = {}
     for bug in sorted(BUGS):
         script = folder / f"bug{bug}" / "lab4_broken_ddp.py"  # the exercise's file name
@@ -444,13 +453,15 @@ def observe_lab4_rows(checker, folder) -> dict:
         script.parent.mkdir()
         script.write_text(with_edits(LAB4_SOLUTION.read_text(), [edit]))
         rows[name] = (script, checker.default_script_args, {})
+    rows["exercise"] = (BROKEN, checker.default_script_args, {})
     rows["lab4-solution"] = (LAB4_SOLUTION, checker.default_script_args, {})
     # Lab 3's solution with its defaults (8 epochs), as a learner trains it on 2 processes: observed
     # lightly (the observer's default: 3 steps recorded), in this launch of 2 ranks. Alone, without the
     # observer, it took 11.4 s on 2 ranks where the main job took 20.7 s (27 Nov 2026, 20:17 UTC);
     # issue 30 asks for at most 30 s.
     rows["trained"] = (CONVERT_SOLUTION, lambda out_dir: ["--save", out_dir / "model.pt"], {})
-    return observe_rows.observe_in_one_launch(checker, rows, folder, ROWS_TIMEOUT_S)
+    rows["spawn"], env = spawn_row(convert_checker, folder)
+    return observe_rows.observe_in_one_launch(checker, rows, folder, ROWS_TIMEOUT_S, env=env)
 
 
 def observe_lab3_rows(convert_checker, folder) -> dict:
@@ -470,23 +481,27 @@ def observe_lab3_rows(convert_checker, folder) -> dict:
     )
 
 
-def observe_under_spawn(checker, convert_checker, folder) -> tuple[object, int]:
-    """(Observation, how many processes spawn started) of lab 3's solution under the spawn start method:
-    one epoch with lab 3's flags (one DataLoader worker per rank) on 2 ranks, one node, as a launch of
-    its own (the start method is the whole launch's). The observer's spawn-safety does not depend on the
-    world size or the number of epochs; the launch is the cheapest that starts a worker on every rank."""
+def spawn_row(convert_checker, folder) -> tuple[tuple, dict]:
+    """(the row, the launch's env) of lab 3's solution under the spawn start method: one epoch with lab 3's
+    flags and observer settings (one DataLoader worker per rank) on lab 4's 2 ranks, one node. The
+    observer's spawn-safety does not depend on the world size or the number of epochs; the row is the
+    cheapest that starts a worker on every rank. SPAWN_SITECUSTOMIZE, on the launch's PYTHONPATH, starts
+    this row's workers with spawn (ROW_START_METHOD, in the row's env only) and logs them in spawned_log."""
     (folder / "sitecustomize.py").write_text(SPAWN_SITECUSTOMIZE)
-    log = folder / "spawned.txt"
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])), "SPAWNED_LOG": str(log)}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
 
     def one_epoch(out_dir):
         args = [str(arg) for arg in convert_checker.script_args(out_dir)]
         args[args.index("--epochs") + 1] = "1"
         return args
 
-    rows = {"spawn": (CONVERT_SOLUTION, one_epoch, convert_checker.OBSERVER_ENV)}
-    observation = observe_rows.observe_in_one_launch(checker, rows, folder, SPAWN_JOB_LIMIT_S, env=env)["spawn"]
-    return observation, len(log.read_text().splitlines()) if log.exists() else 0
+    row_env = {**convert_checker.OBSERVER_ENV, "ROW_START_METHOD": "spawn", "SPAWNED_LOG": str(spawned_log(folder))}
+    return (CONVERT_SOLUTION, one_epoch, row_env), env
+
+
+def spawned_log(folder):
+    """The file where SPAWN_SITECUSTOMIZE logs each process that spawn started in lab 4's rows launch."""
+    return folder / "spawned.txt"
 
 
 class Both:
@@ -531,24 +546,22 @@ def jobs(checker, convert_checker, tmp_path_factory):
     minimal = REPO_ROOT / "labs" / "lab4_minimal_hang.py"
     detail = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
     # The order. The 2 jobs that soon only wait start at once, each on a thread of its own: "hung"
-    # (HUNG_JOB_LIMIT_S is 2.5x the time it takes to reach its sleep) and "unrescued". The 4 CPU-bound
+    # (HUNG_JOB_LIMIT_S is 2.5x the time it takes to reach its sleep) and "unrescued". The 3 CPU-bound
     # ones run 2 at a time, the longest (lab 3's rows) first: on 2 cores more at once only add
-    # switching. Lab 4's rows, its exercise and the minimal hang take the other place in turn.
+    # switching. Lab 4's rows and the minimal hang take the other place in turn.
     # A rank that crashes at exit fails its test: no relaunch here, and none by pytest (a rerun would
     # only read this result again).
     # Made here, before the threads: tmp_path_factory's first call also makes its base folder, and
     # digits() caches the digits for every job (4 threads would each load them at once).
-    folder = {name: tmp_path_factory.mktemp(name) for name in ("hung", "unrescued", "rows3", "rows4", "spawn")}
+    folder = {name: tmp_path_factory.mktemp(name) for name in ("hung", "unrescued", "rows3", "rows4")}
     checker.digits()
     with ThreadPoolExecutor(max_workers=2) as waiting, ThreadPoolExecutor(max_workers=2) as busy:
         futures = {
             "hung": waiting.submit(check, folder["hung"], make_source=hung_solution, job_timeout_s=HUNG_JOB_LIMIT_S),
             "unrescued": waiting.submit(check, folder["unrescued"], BROKEN, rescue=False, job_timeout_s=UNRESCUED_JOB_LIMIT_S),
             "rows3": busy.submit(observe_lab3_rows, convert_checker, folder["rows3"]),
-            "rows4": busy.submit(observe_lab4_rows, checker, folder["rows4"]),
-            "broken": busy.submit(run_command, [sys.executable, str(LAB4_CHECKER), "--job-timeout-s", str(BROKEN_JOB_LIMIT_S)], timeout_s=BROKEN_COMMAND_TIMEOUT_S),
+            "rows4": busy.submit(observe_lab4_rows, checker, convert_checker, folder["rows4"]),
             "minimal": busy.submit(run_torchrun, minimal, [], nproc=2, timeout_s=MINIMAL_HANG_TIMEOUT_S, env=detail),
-            "spawn": busy.submit(observe_under_spawn, checker, convert_checker, folder["spawn"]),
         }
         futures["rows"] = Both(futures["rows3"], futures["rows4"])
         yield futures  # leaving the block waits for every job, also when a test failed
@@ -567,26 +580,36 @@ def judged_row(judge, jobs, name) -> tuple[object, dict[int, str], list]:
     return observation, verdict_lines("\n".join(verdict.line() for verdict in verdicts)), verdicts
 
 
-def judged_conversion(convert_checker, jobs, name) -> tuple[object, object, dict[int, str]]:
-    """(straight run, resumed run, {check: 'STATUS evidence'}) of a lab 3 mistake's two rows, judged as the checker judges its job."""
-    rows = jobs["rows3"].result()
-    straight, resumed = rows[name], rows[f"{name}-resumed"]
-    verdicts = convert_checker.judge(straight, resumed)
+@pytest.fixture(scope="module")
+def conversion(convert_checker, jobs):
+    """name -> ((straight run, resumed run), the checker's verdicts) of a lab 3 conversion's two rows, judged as
+    the checker judges its job: what the checker's check() returns. Each pair is judged once (about a
+    CPU-second), however many tests read it (the solution's: four)."""
+
+    @functools.cache
+    def judged(name):
+        rows = jobs["rows3"].result()
+        pair = rows[name], rows[f"{name}-resumed"]
+        return pair, convert_checker.judge(*pair)
+
+    return judged
+
+
+def judged_conversion(conversion, name) -> tuple[object, object, dict[int, str]]:
+    """(straight run, resumed run, {check: 'STATUS evidence'}) of a lab 3 conversion's two rows, judged as the checker judges its job."""
+    (straight, resumed), verdicts = conversion(name)
     return straight, resumed, verdict_lines("\n".join(verdict.line() for verdict in verdicts), CONVERT_CHECKS)
 
 
 # --- lab 3's conversion checker -------------------------------------------------------------------------
 @pytest.mark.timeout(700)  # the first test to read `jobs` starts them; it and the others wait for their own job
-def test_my_ddp_solution_passes_all_thirteen_checks(convert_checker, jobs, monkeypatch, capsys):
+def test_my_ddp_solution_passes_all_thirteen_checks(convert_checker, conversion, monkeypatch, capsys):
     """The learner's command on the solution, `python labs/lab3_convert_check.py solutions/my_ddp.py`: its
     main() in this process, on the solution's two rows (observe() would have launched the same two runs
     alone: the rows launch runs them with the same functions, lab4.observe_runs and lab4.run_job)."""
-    rows = jobs["rows3"].result()
-
     def check(script, out_dir, job_timeout_s):
         assert script == CONVERT_SOLUTION.resolve() and job_timeout_s == convert_checker.JOB_TIMEOUT_S
-        straight, resumed = rows["lab3-solution"], rows["lab3-solution-resumed"]
-        return (straight, resumed), convert_checker.judge(straight, resumed)
+        return conversion("lab3-solution")
 
     monkeypatch.setattr(convert_checker, "check", check)
     status = convert_checker.main([str(CONVERT_SOLUTION)])
@@ -700,9 +723,9 @@ def test_the_default_script_says_how_to_start(convert_checker, monkeypatch, caps
 
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
-def test_each_mistake_fails_its_own_check_and_no_other(convert_checker, jobs, mistake):
+def test_each_mistake_fails_its_own_check_and_no_other(conversion, mistake):
     """Two rows of their own for each mistake, straight and resumed, with lab 3's settings (see observe_lab3_rows)."""
-    straight, resumed, verdicts = judged_conversion(convert_checker, jobs, mistake)
+    straight, resumed, verdicts = judged_conversion(conversion, mistake)
     number = MISTAKES[mistake][0]
     assert straight.run.ok, straight.run.describe()  # even the job whose barrier goes unmatched: the observer skips that call
     assert re.match(MISTAKE_EVIDENCE[mistake], verdicts[number]), verdicts[number]
@@ -715,11 +738,11 @@ def test_each_mistake_fails_its_own_check_and_no_other(convert_checker, jobs, mi
 
 
 @pytest.mark.timeout(700)
-def test_the_unconverted_script_earns_no_check(convert_checker, jobs):
+def test_the_unconverted_script_earns_no_check(convert_checker, conversion):
     """labs/train_realistic.py as it is: each rank trains alone on the whole set. With one seed its replicas
     agree, it makes no collective and clips as before, so checks 2, 3, 6, 7 and 8 would PASS by doing
     nothing: without a DDP model they say BLOCKED (not converted), and the starting script scores 0."""
-    straight, resumed, verdicts = judged_conversion(convert_checker, jobs, "unconverted")
+    straight, resumed, verdicts = judged_conversion(conversion, "unconverted")
     assert straight.run.ok and resumed.run.ok, straight.run.describe()
     assert not [line for line in verdicts.values() if line.startswith("PASS")], verdicts
     assert verdicts[4] == f"FAIL {convert_checker.NOT_CONVERTED}", verdicts[4]
@@ -729,26 +752,26 @@ def test_the_unconverted_script_earns_no_check(convert_checker, jobs):
 
 
 @pytest.mark.timeout(700)
-def test_a_hand_written_wrapper_fails_with_one_reason_and_the_grader_fails_it(convert_checker, jobs):
+def test_a_hand_written_wrapper_fails_with_one_reason_and_the_grader_fails_it(convert_checker, conversion):
     """A script without DDP whose own wrapper sums the gradients and never divides: its replicas agree and its
     norms are equal, so before, every check said PASS-turned-BLOCKED and the grader said passed (0/0 points).
     Now check 4 FAILs with the one reason, every other check is BLOCKED, and the grader exits 1."""
     from ddp_course import grade
 
-    straight, resumed, verdicts = judged_conversion(convert_checker, jobs, "hand-written-wrapper")
+    straight, resumed, verdicts = judged_conversion(conversion, "hand-written-wrapper")
     assert straight.run.ok and resumed.run.ok, straight.run.describe()
     assert verdicts[4] == f"FAIL {convert_checker.NOT_CONVERTED}", verdicts[4]
     assert all(line.startswith("BLOCKED ") for number, line in verdicts.items() if number != 4), verdicts
-    rows = grade.lab3_rows(grade.Sources(extra={"lab3": CONVERT_SOLUTION}), check=lambda script, out_dir: ((straight, resumed), convert_checker.judge(straight, resumed)))
+    rows = grade.lab3_rows(grade.Sources(extra={"lab3": CONVERT_SOLUTION}), check=lambda script, out_dir: conversion("hand-written-wrapper"))
     assert [(r.check, r.status) for r in rows if r.status != "BLOCKED"] == [("4 global-gradient", "FAIL")], rows
     assert grade.exit_status(rows) == 1
 
 
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("variant", sorted(CORRECT_VARIANTS))
-def test_each_correct_variant_passes_all_thirteen_checks(convert_checker, jobs, variant):
+def test_each_correct_variant_passes_all_thirteen_checks(conversion, variant):
     """Correct conversions in the styles the course teaches or engineers write (CORRECT_VARIANTS): 13 PASS."""
-    straight, resumed, verdicts = judged_conversion(convert_checker, jobs, variant)
+    straight, resumed, verdicts = judged_conversion(conversion, variant)
     assert straight.run.ok and resumed.run.ok, (straight.run.describe(), resumed.run.describe())
     assert all(line.startswith("PASS ") for line in verdicts.values()), verdicts
     evidence = {  # what each variant's own check says about it
@@ -784,7 +807,8 @@ def test_each_row_runs_with_its_own_checkers_observer_settings(checker, convert_
             # epoch: a rank that starts late can load the file a faster rank already wrote at the last
             # epoch, and then has no step to run (seen once). That race is check 5's finding, not the observer's.
             continue
-        lab3 = str(name).removesuffix("-resumed") in [*MISTAKES, *CORRECT_VARIANTS, "hand-written-wrapper", "lab3-solution", "unconverted"]
+        # "spawn": lab 3's settings in a row of lab 4's launch, after lab 4's rows
+        lab3 = str(name).removesuffix("-resumed") in [*MISTAKES, *CORRECT_VARIANTS, "hand-written-wrapper", "lab3-solution", "unconverted", "spawn"]
         for rank in observation.ranks:
             steps = sum(event["kind"] == "step" for event in observation.events[rank])
             recorded = len(list(observation.out_dir.glob(f"step-r{rank}-*.pt")))
@@ -812,7 +836,9 @@ def test_the_observer_records_what_spawned_workers_deliver(checker, convert_chec
     job, observed here as the checker observes it (lab 3's flags and observer settings, one epoch). Every
     rank's worker is spawned, the run finishes, each rank reads its share, and the micro-batches the
     workers delivered (augmented there) give back every backward's gradient and the first 3 steps."""
-    observation, spawned = jobs["spawn"].result()
+    observation = jobs["rows4"].result()["spawn"]
+    log = spawned_log(observation.out_dir.parent)
+    spawned = len(log.read_text().splitlines()) if log.exists() else 0
     assert observation.run.ok, observation.run.describe()
     assert spawned >= observation.world_size, f"{spawned} processes started by spawn"
     split = checker.check_data_split(observation, len(checker.digits().train))
@@ -897,17 +923,28 @@ def test_when_the_hang_kills_the_job_later_checks_are_blocked_not_guessed(jobs):
 
 
 @pytest.mark.timeout(700)
-def test_checker_fails_the_broken_script_with_evidence(jobs):
-    broken_check = jobs["broken"].result()
-    assert broken_check.returncode == 1, broken_check.describe()
-    assert "the job finished" in broken_check.stdout, broken_check.describe()
-    verdicts = verdict_lines(broken_check.stdout)
+def test_checker_fails_the_broken_script_with_evidence(checker, jobs, monkeypatch, capsys):
+    """The learner's command, `python labs/lab4_check.py` (the exercise by default): its main() in this
+    process, on the exercise's row (observe() would have launched the same run alone: the rows launch
+    runs it with the same observer, flags and rescue). Until 29 Nov 2026 a launch of its own."""
+    exercise = jobs["rows4"].result()["exercise"]
+
+    def check(script, out_dir, rescue=True, job_timeout_s=None):
+        assert script == BROKEN.resolve() and rescue and job_timeout_s == checker.JOB_TIMEOUT_S, (script, rescue, job_timeout_s)
+        return exercise, checker.judge(exercise)
+
+    monkeypatch.setattr(checker, "check", check)
+    status = checker.main([])
+    output = capsys.readouterr().out
+    assert status == 1, output
+    assert "the job finished" in output, output
+    verdicts = verdict_lines(output)
     for bug in (1, 2, 3, 5, 6, 7):
         assert re.match(BUG_EVIDENCE[bug], verdicts[bug]), verdicts[bug]
     # Bug 4 hides behind bug 1: without a DistributedSampler, the DataLoader's own shuffle gives each
     # epoch a new order. The checker reports what the run did; the bug shows once bug 1 is fixed.
     assert verdicts[4] == "PASS every rank read its samples in a new order in epoch 1"
-    assert "result: 1 passed, 6 failed, 0 blocked of 7 checks" in broken_check.stdout
+    assert "result: 1 passed, 6 failed, 0 blocked of 7 checks" in output
 
 
 @pytest.mark.timeout(700)
@@ -962,14 +999,14 @@ def test_a_job_that_hangs_is_killed_and_reported(checker, jobs):
 
 # --- the grader's adapters of both checkers, on these rows (no launch of their own) ---------------------
 @pytest.mark.timeout(700)
-def test_the_grader_scores_the_solutions_fully_and_a_mistake_on_its_own_check(convert_checker, checker, jobs, tmp_path):
+def test_the_grader_scores_the_solutions_fully_and_a_mistake_on_its_own_check(checker, conversion, jobs, tmp_path):
     """ddp_course.grade's lab 3 and lab 4 rows, from the rows above instead of launches of their own."""
     from ddp_course import grade
 
-    rows = jobs["rows"].result()
+    rows = jobs["rows4"].result()
 
     def lab3_check(name):
-        return lambda script, out_dir: ((rows[name], rows[f"{name}-resumed"]), convert_checker.judge(rows[name], rows[f"{name}-resumed"]))
+        return lambda script, out_dir: conversion(name)
 
     def lab4_check(name):
         return lambda script, out_dir: (rows[name], checker.judge(rows[name]))
@@ -1001,14 +1038,13 @@ def masked(text: str) -> str:
 
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("name", sorted(REFERENCE_RUNS))
-def test_the_sheets_stored_checker_runs_are_what_the_checker_prints(convert_checker, jobs, monkeypatch, capsys, name):
+def test_the_sheets_stored_checker_runs_are_what_the_checker_prints(convert_checker, conversion, monkeypatch, capsys, name):
     """solutions/lab3_reference/*.txt, which the lab 3 sheet prints, are main()'s output on these rows (numbers
     masked). DDP_COURSE_WRITE_REFERENCE=1 rewrites them from this run."""
     import os
 
     row, shown = REFERENCE_RUNS[name]
-    rows = jobs["rows3"].result()
-    monkeypatch.setattr(convert_checker, "check", lambda script, out_dir, job_timeout_s: ((rows[row], rows[f"{row}-resumed"]), convert_checker.judge(rows[row], rows[f"{row}-resumed"])))
+    monkeypatch.setattr(convert_checker, "check", lambda script, out_dir, job_timeout_s: conversion(row))
     status = convert_checker.main([shown if name.endswith("pass.txt") else str(CONVERT_SOLUTION)])
     output = capsys.readouterr().out.replace(str(CONVERT_SOLUTION), shown)
     assert status == (0 if name.endswith("pass.txt") else 1), output

@@ -892,7 +892,8 @@ def trained_ddp(steps) -> bool:
 
 
 def judge_runs(straight, resumed) -> list[Verdict]:
-    verdicts, steps = judge_each_check(straight, resumed), recorded_steps(straight)
+    steps = recorded_steps(straight)  # read once: loading the step files is half of judging's time
+    verdicts = judge_each_check(straight, resumed, steps)
     if steps and not trained_ddp(steps):
         return [
             verdict(4, "FAIL", NOT_CONVERTED) if v.number == 4 else verdict(v.number, "BLOCKED", NOT_CONVERTED_BLOCKED) if v.status == "PASS" else v
@@ -901,9 +902,9 @@ def judge_runs(straight, resumed) -> list[Verdict]:
     return verdicts
 
 
-def judge_each_check(straight, resumed) -> list[Verdict]:
+def judge_each_check(straight, resumed, steps) -> list[Verdict]:
+    """The thirteen verdicts; steps: recorded_steps(straight)."""
     splits = lab4.digits()  # loaded once per process
-    steps = recorded_steps(straight)
     reference = Reference(steps)
     replicas = check_equal_replicas(straight, steps)
     checkpoint, weights = check_checkpoint(straight, steps)
