@@ -6,7 +6,9 @@ row covers). Lab 6 also runs on 1 rank, as gpu_smoke runs it on a 1-GPU machine.
 
 Most of a launch is Python and torch start-up, so rows that need the same ranks run one after another
 in ONE launch (the recorder's --rows mode, issue 22): 2 launches instead of 16, every 2-rank row in
-one and lab 6's 1-rank row in the other. Each row still gets its own summary line, its own key-figure
+one and lab 6's 1-rank row in the other. Two rows are checked where another test file already
+launches the same command (CHECKED_ELSEWHERE: lecture 4's demos, lectures 5a-5b's job): that file runs its
+launch under the recorder and judges the row there. Each row still gets its own summary line, its own key-figure
 check and its own test; a failing row fails its test by name and the rows after it report that they
 were not reached. The 2-rank launch runs in the restart-safe environment lab 7 asks for (it only
 gives each torchrun attempt a fresh store; the other rows do not notice it) and with lab 7's
@@ -35,7 +37,7 @@ from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 RECORDER_PATH = REPO_ROOT / "tests" / "scripts" / "record_collectives.py"
 BAD_ROW_PATH = REPO_ROOT / "tests" / "scripts" / "recorder_bad_row.py"
 ROW_SUMMARY = r"\[collectives rank (\d) row {name}\] status (-?\d+) calls (\d+) violations (\d+) ops (\S*)"
-GROUP_TIMEOUT_S = 330  # the 2-rank launch: 15 rows and lab 7's restart
+GROUP_TIMEOUT_S = 330  # the 2-rank launch: 13 rows and lab 7's restart
 # The recorder's own test (test_a_shared_launch_reports_...), at the end of the main launch: a row with a
 # mixed-device call, a row that fails, and a row that must never run. The launch ends with status 3.
 SELF_TEST_ROWS = [("mixed", BAD_ROW_PATH, ["--mixed-device"]), ("fails", BAD_ROW_PATH, ["--exit-status", "3"]), ("after", BAD_ROW_PATH, ["--mixed-device"])]
@@ -47,7 +49,10 @@ def load_module(name, path):
 
 recorder = load_module("record_collectives", RECORDER_PATH)
 smoke = load_module("gpu_smoke", REPO_ROOT / "benchmarks" / "gpu_smoke.py")  # the same small commands
-CPU_LABS = [lab for lab in smoke.LAB_RUNS if not lab.gpu_only and not lab.plain_python]
+# Rows another test file already launches with the same command: it runs that launch under the recorder and
+# checks the device rule and the row's key figure there (one run instead of two).
+CHECKED_ELSEWHERE = {"lecture4_demos": "test_lecture04_demos.py", "lecture5_perf_job": "test_lecture05_perf_job.py"}
+CPU_LABS = [lab for lab in smoke.LAB_RUNS if not lab.gpu_only and not lab.plain_python and lab.name not in CHECKED_ELSEWHERE]
 LABS = {lab.name: lab for lab in smoke.LAB_RUNS}
 
 
@@ -175,6 +180,24 @@ def test_a_shared_launch_reports_a_violation_and_a_failing_row_by_name(shared_la
     assert "[collectives rank 0 row mixed] VIOLATION all_reduce: tensors on meta, but this rank's backend works on cpu" in result.stdout
     assert {status for status, *_ in row_summaries(result, "fails").values()} == {3}, result.describe()
     assert row_summaries(result, "after") == {}, result.describe()
+
+
+@pytest.mark.parametrize("name", sorted(CHECKED_ELSEWHERE))
+def test_a_row_left_to_another_file_is_checked_there(name):
+    """The file runs the row's script under the recorder and judges the row (its device rule test)."""
+    source = (REPO_ROOT / "tests" / CHECKED_ELSEWHERE[name]).read_text()
+    assert LABS[name].script in {str(path.relative_to(REPO_ROOT)) for path in REPO_ROOT.glob("lectures/scripts/*.py")}
+    assert "RECORDER.__file__, [" in source and "RECORDER.device_rule_failures(result.stdout" in source
+    assert f'row.name == "{name}"' in source and "SMOKE.judge(" in source
+
+
+def test_device_rule_failures_reads_a_run_s_summary_lines():
+    good = "[collectives rank 0] calls 3 violations 0 ops all_reduce=3\n[collectives rank 1] calls 3 violations 0 ops all_reduce=3\n"
+    assert recorder.device_rule_failures(good, nproc=2) == []
+    bad = "[collectives rank 0] VIOLATION all_reduce: tensors on meta\n[collectives rank 0] calls 0 violations 1 ops \n"
+    assert recorder.device_rule_failures(bad, nproc=2) == [
+        "rank 1 printed no summary line", "rank 0 made no collective call", "[collectives rank 0] VIOLATION all_reduce: tensors on meta"
+    ]
 
 
 def test_recorder_flags_a_mixed_device_output_list():

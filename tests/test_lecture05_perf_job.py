@@ -20,16 +20,37 @@ import torch
 from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 
 JOB = REPO_ROOT / "lectures" / "scripts" / "perf_ddp_job.py"
+RECORDER = import_script(REPO_ROOT / "tests" / "scripts" / "record_collectives.py", "record_collectives")
+SMOKE = import_script(REPO_ROOT / "benchmarks" / "gpu_smoke.py", "gpu_smoke")
 TINY = ["--hook-steps", "11", "--profile-steps", "2", "--bucket-caps", "default,25", "--timing-steps", "1",
         "--timing-repeats", "1", "--accumulation-steps", "3"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def recorded_job(tmp_path_factory):
+    """(RunResult, out folder) of the job, under the collectives recorder: tests/test_device_discipline.py
+    leaves gpu_smoke's lecture5_perf_job row (these flags with --accumulation-steps 2) to this run."""
     out_dir = tmp_path_factory.mktemp("perf_job")
-    result = run_torchrun(JOB, ["--out-dir", out_dir, *TINY], nproc=2, timeout_s=420)
+    result = run_torchrun(RECORDER.__file__, [JOB, "--out-dir", out_dir, *TINY], nproc=2, timeout_s=420)
     assert result.ok, result.describe()
+    return result, out_dir
+
+
+@pytest.fixture(scope="module")
+def job(recorded_job):
+    _, out_dir = recorded_job
     return out_dir, json.loads((out_dir / "perf.json").read_text())
+
+
+@pytest.mark.timeout(480)
+def test_every_collective_gets_tensors_on_one_device_and_the_smoke_row_passes(recorded_job):
+    """The device rule of tests/test_device_discipline.py (its docstring), and gpu_smoke's key figure of the row."""
+    result, out_dir = recorded_job
+    assert RECORDER.device_rule_failures(result.stdout, nproc=2) == [], result.describe()
+    row = next(row for row in SMOKE.LAB_RUNS if row.name == "lecture5_perf_job")
+    assert [arg for arg in row.args if arg != "{out}"] == ["--out-dir", *TINY[:-1], "2"]  # the same command, 2 micro-batches
+    outcome = SMOKE.judge(row, result, out_dir)
+    assert outcome.passed, outcome
 
 
 @pytest.mark.timeout(480)
