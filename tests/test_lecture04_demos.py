@@ -1,9 +1,11 @@
 """What lecture 04 prints from its 2-rank job holds: the demo script's facts, checked outside nbval.
 
-One torchrun launch of lectures/scripts/ddp_internals_demos.py (about 15-25 s on 2 CPU cores), then
-one test per section of the lecture. Also: the demo script starts gloo even where a GPU is visible
-(review finding 1), the mp.spawn launcher works from a script, and mp.spawn of a function defined in
-a program without a module file (a notebook, `python -c`) fails.
+One torchrun launch of lectures/scripts/ddp_internals_demos.py (about 15-25 s on 2 CPU cores), then one
+test per section of the lecture. The launch runs under the collectives recorder, which checks every
+collective's devices (tests/test_device_discipline.py leaves the script's gpu_smoke row to it). Also: the
+demo script starts gloo even where a GPU is visible (review finding 1), the mp.spawn launcher works from
+a script, and mp.spawn of a function defined in a program without a module file (a notebook, `python -c`)
+fails.
 """
 
 import json

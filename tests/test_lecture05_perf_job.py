@@ -1,15 +1,16 @@
 """Lectures 5a and 5b's 2-rank job (lectures/scripts/perf_ddp_job.py) and the reference-run reader.
 
-One launch with every part at tiny sizes (module fixture, a few tens of seconds on 2 CPU ranks);
-each test checks one claim the lecture prints from it: the bytes each communication hook sends,
-mixed precision leaving them unchanged, no_sync accumulation sending one k-th with the same
-gradients, ZeRO-1 splitting Adam's state without changing the weights, one trace per rank whose
-all-reduces match DDP's buckets, lab 5's measurement for each bucket cap, and GradScaler skipping
-an overflow on every rank (on one rank only under no_sync). Bad flags give one line and a non-zero
-exit, parsed in this process: the script's parser is ddp_course.cli.CourseArgumentParser, whose path
-through torchrun (rank 0 speaks, the others stay quiet) tests/test_lab3_ddp.py launches for real and
-tests/test_helpers.py checks, so a launch of its own here would only repeat it (issue 22). The step
-timer synchronizes CUDA before reading the clock.
+One launch with every part at tiny sizes (module fixture, a few tens of seconds on 2 CPU ranks); each
+test checks one claim the lecture prints from it: the bytes each communication hook sends, mixed
+precision leaving them unchanged, no_sync accumulation sending one k-th with the same gradients, ZeRO-1
+splitting Adam's state without changing the weights, one trace per rank whose all-reduces match DDP's
+buckets, lab 5's measurement for each bucket cap, and GradScaler skipping an overflow on every rank (on
+one rank only under no_sync). The launch runs under the collectives recorder, which checks every
+collective's devices (tests/test_device_discipline.py leaves the job's gpu_smoke row to it). Bad flags
+give one line and a non-zero exit, parsed in this process: the script's parser is
+ddp_course.cli.CourseArgumentParser, whose path through torchrun (rank 0 speaks, the others stay quiet)
+tests/test_lab3_ddp.py launches for real and tests/test_helpers.py checks, so a launch of its own here
+would only repeat it (issue 22). The step timer synchronizes CUDA before reading the clock.
 """
 
 import json
