@@ -28,8 +28,9 @@ in a timeout on purpose (lab 2 without --join, lab 7's broken scenarios) run on 
 are tested by pytest; multi-node and elastic commands need several machines.
 
 LAB_RUNS is the table of small per-row commands. tests/test_device_discipline.py runs the same
-torchrun commands on 2 gloo ranks with every collective's devices checked. To add a command, add a
-row and a key-figure function.
+torchrun commands on 2 gloo ranks with every collective's devices checked (two of them in the launches
+of the lecture tests that already run them: its CHECKED_ELSEWHERE). To add a command, add a row and a
+key-figure function.
 """
 
 from __future__ import annotations

@@ -50,11 +50,34 @@ def load_dataset(name: str, data_dir: str | Path = "data", download_timeout_s: f
     raise CourseError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
 
 
+def digits_arrays():
+    """scikit-learn's digits as numpy arrays: pixels (1797, 64) float64 with values 0..16, labels (1797,).
+
+    The same arrays as sklearn.datasets.load_digits(return_X_y=True), read from the CSV file that
+    scikit-learn ships and parsed as it parses it, but without importing scikit-learn: that import
+    costs each process about 1.5 CPU-seconds, more than a short lab run spends on the data, and the
+    tests start hundreds of ranks (tests/test_helpers.py checks both ways give equal arrays). A
+    scikit-learn that keeps the file elsewhere is asked the usual way.
+    """
+    import gzip
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.find_spec("sklearn")  # finds the package without running its __init__
+    csv = Path(next(iter(spec.submodule_search_locations or []), "")) / "datasets" / "data" / "digits.csv.gz"
+    if not csv.is_file():
+        from sklearn.datasets import load_digits as sklearn_digits
+
+        return sklearn_digits(return_X_y=True)
+    with gzip.open(csv, "rt", encoding="utf-8") as rows:
+        table = np.loadtxt(rows, delimiter=",")  # 65 columns: 64 pixels, then the label
+    return table[:, :-1], table[:, -1].astype(int, copy=False)
+
+
 def load_digits() -> DatasetSplits:
     """Digits as tensors: images (N, 1, 8, 8) standardized with train statistics, labels (N,)."""
-    from sklearn.datasets import load_digits as sklearn_digits  # imported here: sklearn is slow to import
-
-    pixels, labels = sklearn_digits(return_X_y=True)  # pixels (1797, 64), values 0..16
+    pixels, labels = digits_arrays()  # pixels (1797, 64), values 0..16
     images = torch.tensor(pixels, dtype=torch.float32).reshape(-1, 1, 8, 8)
     labels = torch.tensor(labels, dtype=torch.long)
 

@@ -4,15 +4,18 @@ its small size, on 2 gloo ranks under tests/scripts/record_collectives.py, which
 torch.distributed call (lab 5's sweep driver is left out: it launches its own jobs, which the lab5
 row covers). Lab 6 also runs on 1 rank, as gpu_smoke runs it on a 1-GPU machine.
 
-Most of a launch is Python and torch start-up, so rows that need the same ranks and environment run
-one after another in ONE launch (the recorder's --rows mode, issue 22): 3 launches instead of 16.
-Each row still gets its own summary line, its own key-figure check and its own test; a failing row
-fails its test by name and the rows after it report that they were not reached. Lab 7 and its
-crash-and-restart row share a launch of their own (the restart-safe environment): torchrun restarts
-that whole launch, and the recorder then skips lab 7's row, which passed before the crash. The
-recorder's own test rows close the main launch. The launches wait on each other's collectives and
-sleeps much of the time, so the first test starts them all, two at a time (issue 22: about 15 s less
-than one after another on 2 cores); each test waits for its own.
+Most of a launch is Python and torch start-up, so rows that need the same ranks run one after another
+in ONE launch (the recorder's --rows mode, issue 22): 2 launches instead of 16, every 2-rank row in
+one and lab 6's 1-rank row in the other. Two rows are checked where another test file already
+launches the same command (CHECKED_ELSEWHERE: lecture 4's demos, lectures 5a-5b's job): that file runs its
+launch under the recorder and judges the row there. Each row still gets its own summary line, its own key-figure
+check and its own test; a failing row fails its test by name and the rows after it report that they
+were not reached. The 2-rank launch runs in the restart-safe environment lab 7 asks for (it only
+gives each torchrun attempt a fresh store; the other rows do not notice it) and with lab 7's
+--max-restarts=1: its crash-and-restart row comes after every other lab's row, torchrun restarts the
+whole launch once, and the recorder skips every row that passed before the crash. The recorder's own
+test rows close that launch; the restart is spent by then, so the failing one ends it. The two
+launches run side by side, both started by the first test; each test waits for its own.
 
 On gloo every tensor is on the CPU, so a lab passes here unless it mixes devices within one call
 (e.g. a meta or CUDA tensor next to CPU ones); on a GPU machine the same wrapper with --backend nccl
@@ -34,7 +37,7 @@ from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 RECORDER_PATH = REPO_ROOT / "tests" / "scripts" / "record_collectives.py"
 BAD_ROW_PATH = REPO_ROOT / "tests" / "scripts" / "recorder_bad_row.py"
 ROW_SUMMARY = r"\[collectives rank (\d) row {name}\] status (-?\d+) calls (\d+) violations (\d+) ops (\S*)"
-GROUP_TIMEOUT_S = 330  # the 13 shared rows take about 30 s on a quiet 2-core machine, 45 s beside the other launches
+GROUP_TIMEOUT_S = 330  # the 2-rank launch: 13 rows and lab 7's restart
 # The recorder's own test (test_a_shared_launch_reports_...), at the end of the main launch: a row with a
 # mixed-device call, a row that fails, and a row that must never run. The launch ends with status 3.
 SELF_TEST_ROWS = [("mixed", BAD_ROW_PATH, ["--mixed-device"]), ("fails", BAD_ROW_PATH, ["--exit-status", "3"]), ("after", BAD_ROW_PATH, ["--mixed-device"])]
@@ -46,30 +49,32 @@ def load_module(name, path):
 
 recorder = load_module("record_collectives", RECORDER_PATH)
 smoke = load_module("gpu_smoke", REPO_ROOT / "benchmarks" / "gpu_smoke.py")  # the same small commands
-CPU_LABS = [lab for lab in smoke.LAB_RUNS if not lab.gpu_only and not lab.plain_python]
+# Rows another test file already launches with the same command: it runs that launch under the recorder and
+# checks the device rule and the row's key figure there (one run instead of two).
+CHECKED_ELSEWHERE = {"lecture4_demos": "test_lecture04_demos.py", "lecture5_perf_job": "test_lecture05_perf_job.py"}
+CPU_LABS = [lab for lab in smoke.LAB_RUNS if not lab.gpu_only and not lab.plain_python and lab.name not in CHECKED_ELSEWHERE]
 LABS = {lab.name: lab for lab in smoke.LAB_RUNS}
 
 
-def launch_key(lab, nproc):
-    """Rows with the same key share a launch: same ranks and environment. torchrun's options may differ
-    only by --max-restarts: the launch restarts, and the recorder skips the rows that passed before."""
-    return (nproc, lab.env)
+MAIN_LAUNCH = 2  # a launch is known by its number of ranks: every 2-rank row, then lab 6 on 1 rank
 
 
-MAIN_LAUNCH = (2, ())
+def launch_plan(nproc):
+    """(the rows of one launch in order [(LabRun or None, name, script, args)], its environment, its torchrun options).
 
-
-def launch_plan(key):
-    """(the rows of one launch in order [(LabRun or None, name, script, args)], its torchrun options)."""
-    nproc = key[0]
-    group = [row for row in CPU_LABS if launch_key(row, nproc) == key] if nproc == 2 else [LABS["lab6"]]
+    The rows' environments add up: only lab 7 asks for one, and the other rows run in it unchanged.
+    torchrun's options may differ only by --max-restarts: the launch restarts, and the recorder skips
+    the rows that passed before."""
+    group = list(CPU_LABS) if nproc == MAIN_LAUNCH else [LABS["lab6"]]
     group.sort(key=lambda row: bool(row.torchrun_args))  # rows that crash on purpose last: the others pass first
     options = {row.torchrun_args for row in group if row.torchrun_args}
     assert len(options) <= 1, f"rows of one launch need the same torchrun options: {options}"
+    env = dict(pair for row in group for pair in row.env)
+    assert len(env) == len({pair for row in group for pair in row.env}), f"rows of one launch set a variable differently: {env}"
     rows = [(row, row.name, REPO_ROOT / row.script, None) for row in group]
-    if key == MAIN_LAUNCH:
+    if nproc == MAIN_LAUNCH:  # after the crash row: its restart is spent, so the failing self-test row ends the launch
         rows += [(None, *row) for row in SELF_TEST_ROWS]
-    return rows, next(iter(options), ())
+    return rows, env, next(iter(options), ())
 
 
 def run_rows(rows, out_dirs, nproc, timeout_s, env=(), torchrun_args=()):
@@ -87,27 +92,26 @@ def row_summaries(result, name):
 
 
 class SharedLaunches:
-    """Starts every launch of this file on first demand, two at a time, and keeps each result for its rows' tests."""
+    """Starts both launches of this file on first demand, side by side, and keeps each result for its rows' tests."""
 
     def __init__(self, tmp_path_factory):
         self.tmp_path_factory = tmp_path_factory
-        self.launches = {}  # launch key -> future of (RunResult, {row name: out dir})
-        self.pool = ThreadPoolExecutor(max_workers=2)  # the longest launch on one side, the others after each other beside it
+        self.launches = {}  # ranks -> future of (RunResult, {row name: out dir})
+        self.pool = ThreadPoolExecutor(max_workers=2)  # both launches at once
 
-    def result_of(self, key):
+    def result_of(self, nproc):
         if not self.launches:
-            keys = sorted({launch_key(row, 2) for row in CPU_LABS} - {MAIN_LAUNCH}) + [(1, LABS["lab6"].env)]
-            for each in [MAIN_LAUNCH, *keys]:  # the longest first
+            for each in (MAIN_LAUNCH, 1):  # the longest first
                 self.launches[each] = self.start(each)
-        return self.launches[key].result()
+        return self.launches[nproc].result()
 
-    def start(self, key):
+    def start(self, nproc):
         """Write the launch's rows file and its rows' out dirs (here, not in a worker thread), then start it."""
-        rows, torchrun_args = launch_plan(key)
+        rows, env, torchrun_args = launch_plan(nproc)
         outs = {name: self.tmp_path_factory.mktemp(name) for _, name, _, _ in rows}
         commands = [(name, script, lab.command_args(outs[name], "gloo") if lab else args) for lab, name, script, args in rows]
         launch_dir = self.tmp_path_factory.mktemp("launch")
-        future = self.pool.submit(run_rows, commands, launch_dir, key[0], GROUP_TIMEOUT_S, key[1], torchrun_args)
+        future = self.pool.submit(run_rows, commands, launch_dir, nproc, GROUP_TIMEOUT_S, env, torchrun_args)
         return _WithOuts(future, outs)
 
     def close(self):
@@ -133,7 +137,7 @@ def shared_launches(tmp_path_factory):
 
 def check_row(lab, launches, nproc):
     """The row's summaries on every rank: ran, exit status 0, collectives seen, none mixing devices."""
-    result, outs = launches.result_of(launch_key(lab, nproc))
+    result, outs = launches.result_of(nproc)
     summaries = row_summaries(result, lab.name)
     assert sorted(summaries) == list(range(nproc)), f"row {lab.name} did not finish on every rank (an earlier row failed?)\n{result.describe()}"
     if not lab.torchrun_args:  # a restart must not hide a failure: a row that does not crash on purpose passes every time it runs
@@ -176,6 +180,24 @@ def test_a_shared_launch_reports_a_violation_and_a_failing_row_by_name(shared_la
     assert "[collectives rank 0 row mixed] VIOLATION all_reduce: tensors on meta, but this rank's backend works on cpu" in result.stdout
     assert {status for status, *_ in row_summaries(result, "fails").values()} == {3}, result.describe()
     assert row_summaries(result, "after") == {}, result.describe()
+
+
+@pytest.mark.parametrize("name", sorted(CHECKED_ELSEWHERE))
+def test_a_row_left_to_another_file_is_checked_there(name):
+    """The file runs the row's script under the recorder and judges the row (its device rule test)."""
+    source = (REPO_ROOT / "tests" / CHECKED_ELSEWHERE[name]).read_text()
+    assert LABS[name].script in {str(path.relative_to(REPO_ROOT)) for path in REPO_ROOT.glob("lectures/scripts/*.py")}
+    assert "RECORDER.__file__, [" in source and "RECORDER.device_rule_failures(result.stdout" in source
+    assert f'row.name == "{name}"' in source and "SMOKE.judge(" in source
+
+
+def test_device_rule_failures_reads_a_run_s_summary_lines():
+    good = "[collectives rank 0] calls 3 violations 0 ops all_reduce=3\n[collectives rank 1] calls 3 violations 0 ops all_reduce=3\n"
+    assert recorder.device_rule_failures(good, nproc=2) == []
+    bad = "[collectives rank 0] VIOLATION all_reduce: tensors on meta\n[collectives rank 0] calls 0 violations 1 ops \n"
+    assert recorder.device_rule_failures(bad, nproc=2) == [
+        "rank 1 printed no summary line", "rank 0 made no collective call", "[collectives rank 0] VIOLATION all_reduce: tensors on meta"
+    ]
 
 
 def test_recorder_flags_a_mixed_device_output_list():

@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -242,6 +243,18 @@ def test_digits_split_is_fixed_disjoint_and_standardized():
     overlap = sum(tuple(row.tolist()) in train_rows for row in test_images.flatten(1))
     assert overlap <= 2  # the raw data holds a couple of identical images; a leak would be hundreds
     assert torch.equal(data.load_digits().test.tensors[0], test_images)  # same split every call
+
+
+def test_digits_are_read_without_importing_sklearn_and_equal_its_load_digits(monkeypatch):
+    """data.digits_arrays() reads scikit-learn's CSV file itself (its import costs every rank seconds of CPU)."""
+    with monkeypatch.context() as patched:
+        patched.setitem(sys.modules, "sklearn.datasets", None)  # any `import sklearn.datasets` now fails
+        pixels, labels = data.digits_arrays()
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    sklearn_pixels, sklearn_labels = sklearn_digits(return_X_y=True)
+    assert pixels.dtype == sklearn_pixels.dtype and labels.dtype == sklearn_labels.dtype
+    assert (pixels == sklearn_pixels).all() and (labels == sklearn_labels).all() and pixels.shape == (1797, 64)
 
 
 def test_unknown_dataset_is_a_course_error():

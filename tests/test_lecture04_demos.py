@@ -1,9 +1,11 @@
 """What lecture 04 prints from its 2-rank job holds: the demo script's facts, checked outside nbval.
 
-One torchrun launch of lectures/scripts/ddp_internals_demos.py (about 15-25 s on 2 CPU cores), then
-one test per section of the lecture. Also: the demo script starts gloo even where a GPU is visible
-(review finding 1), the mp.spawn launcher works from a script, and mp.spawn of a function defined in
-a program without a module file (a notebook, `python -c`) fails.
+One torchrun launch of lectures/scripts/ddp_internals_demos.py (about 15-25 s on 2 CPU cores), then one
+test per section of the lecture. The launch runs under the collectives recorder, which checks every
+collective's devices (tests/test_device_discipline.py leaves the script's gpu_smoke row to it). Also: the
+demo script starts gloo even where a GPU is visible (review finding 1), the mp.spawn launcher works from
+a script, and mp.spawn of a function defined in a program without a module file (a notebook, `python -c`)
+fails.
 """
 
 import json
@@ -18,6 +20,9 @@ from ddp_course import profiling
 from ddp_course.launch import REPO_ROOT, child_environment, import_script, run_command, run_torchrun
 
 SCRIPTS = REPO_ROOT / "lectures" / "scripts"
+RECORDER = import_script(REPO_ROOT / "tests" / "scripts" / "record_collectives.py", "record_collectives")
+SMOKE = import_script(REPO_ROOT / "benchmarks" / "gpu_smoke.py", "gpu_smoke")
+SMOKE_ROW = next(row for row in SMOKE.LAB_RUNS if row.name == "lecture4_demos")
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +35,30 @@ def spawn_launch():
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory, spawn_launch):
-    """(report, trace folder) of one run of the demo script."""
+def recorded_job(tmp_path_factory, spawn_launch):
+    """(RunResult, out folder) of one run of the demo script with gpu_smoke's command (its lecture4_demos
+    row), under the collectives recorder: tests/test_device_discipline.py leaves the row to this run."""
     out = tmp_path_factory.mktemp("lecture04")
-    result = run_torchrun(SCRIPTS / "ddp_internals_demos.py", ["--json", out / "report.json", "--trace-dir", out / "traces"],
-                          nproc=2, timeout_s=240)  # fmt: skip
+    args = SMOKE_ROW.command_args(out, "gloo")  # --json out/report.json --trace-dir out/traces
+    result = run_torchrun(RECORDER.__file__, [SCRIPTS / "ddp_internals_demos.py", *args], nproc=2, timeout_s=240)
     assert result.ok, result.describe()
+    return result, out
+
+
+@pytest.fixture(scope="module")
+def job(recorded_job):
+    """(report, trace folder) of the run."""
+    _, out = recorded_job
     return json.loads((out / "report.json").read_text()), out / "traces"
+
+
+@pytest.mark.timeout(300)
+def test_every_collective_gets_tensors_on_one_device_and_the_smoke_row_passes(recorded_job):
+    """The device rule of tests/test_device_discipline.py (its docstring), and gpu_smoke's key figure of the row."""
+    result, out = recorded_job
+    assert RECORDER.device_rule_failures(result.stdout, nproc=2) == [], result.describe()
+    outcome = SMOKE.judge(SMOKE_ROW, result, out)
+    assert outcome.passed, outcome
 
 
 @pytest.mark.timeout(300)

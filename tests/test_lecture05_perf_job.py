@@ -1,15 +1,16 @@
 """Lectures 5a and 5b's 2-rank job (lectures/scripts/perf_ddp_job.py) and the reference-run reader.
 
-One launch with every part at tiny sizes (module fixture, a few tens of seconds on 2 CPU ranks);
-each test checks one claim the lecture prints from it: the bytes each communication hook sends,
-mixed precision leaving them unchanged, no_sync accumulation sending one k-th with the same
-gradients, ZeRO-1 splitting Adam's state without changing the weights, one trace per rank whose
-all-reduces match DDP's buckets, lab 5's measurement for each bucket cap, and GradScaler skipping
-an overflow on every rank (on one rank only under no_sync). Bad flags give one line and a non-zero
-exit, parsed in this process: the script's parser is ddp_course.cli.CourseArgumentParser, whose path
-through torchrun (rank 0 speaks, the others stay quiet) tests/test_lab3_ddp.py launches for real and
-tests/test_helpers.py checks, so a launch of its own here would only repeat it (issue 22). The step
-timer synchronizes CUDA before reading the clock.
+One launch with every part at tiny sizes (module fixture, a few tens of seconds on 2 CPU ranks); each
+test checks one claim the lecture prints from it: the bytes each communication hook sends, mixed
+precision leaving them unchanged, no_sync accumulation sending one k-th with the same gradients, ZeRO-1
+splitting Adam's state without changing the weights, one trace per rank whose all-reduces match DDP's
+buckets, lab 5's measurement for each bucket cap, and GradScaler skipping an overflow on every rank (on
+one rank only under no_sync). The launch runs under the collectives recorder, which checks every
+collective's devices (tests/test_device_discipline.py leaves the job's gpu_smoke row to it). Bad flags
+give one line and a non-zero exit, parsed in this process: the script's parser is
+ddp_course.cli.CourseArgumentParser, whose path through torchrun (rank 0 speaks, the others stay quiet)
+tests/test_lab3_ddp.py launches for real and tests/test_helpers.py checks, so a launch of its own here
+would only repeat it (issue 22). The step timer synchronizes CUDA before reading the clock.
 """
 
 import json
@@ -20,16 +21,37 @@ import torch
 from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 
 JOB = REPO_ROOT / "lectures" / "scripts" / "perf_ddp_job.py"
+RECORDER = import_script(REPO_ROOT / "tests" / "scripts" / "record_collectives.py", "record_collectives")
+SMOKE = import_script(REPO_ROOT / "benchmarks" / "gpu_smoke.py", "gpu_smoke")
 TINY = ["--hook-steps", "11", "--profile-steps", "2", "--bucket-caps", "default,25", "--timing-steps", "1",
         "--timing-repeats", "1", "--accumulation-steps", "3"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def recorded_job(tmp_path_factory):
+    """(RunResult, out folder) of the job, under the collectives recorder: tests/test_device_discipline.py
+    leaves gpu_smoke's lecture5_perf_job row (these flags with --accumulation-steps 2) to this run."""
     out_dir = tmp_path_factory.mktemp("perf_job")
-    result = run_torchrun(JOB, ["--out-dir", out_dir, *TINY], nproc=2, timeout_s=420)
+    result = run_torchrun(RECORDER.__file__, [JOB, "--out-dir", out_dir, *TINY], nproc=2, timeout_s=420)
     assert result.ok, result.describe()
+    return result, out_dir
+
+
+@pytest.fixture(scope="module")
+def job(recorded_job):
+    _, out_dir = recorded_job
     return out_dir, json.loads((out_dir / "perf.json").read_text())
+
+
+@pytest.mark.timeout(480)
+def test_every_collective_gets_tensors_on_one_device_and_the_smoke_row_passes(recorded_job):
+    """The device rule of tests/test_device_discipline.py (its docstring), and gpu_smoke's key figure of the row."""
+    result, out_dir = recorded_job
+    assert RECORDER.device_rule_failures(result.stdout, nproc=2) == [], result.describe()
+    row = next(row for row in SMOKE.LAB_RUNS if row.name == "lecture5_perf_job")
+    assert [arg for arg in row.args if arg != "{out}"] == ["--out-dir", *TINY[:-1], "2"]  # the same command, 2 micro-batches
+    outcome = SMOKE.judge(row, result, out_dir)
+    assert outcome.passed, outcome
 
 
 @pytest.mark.timeout(480)

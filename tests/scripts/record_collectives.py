@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 import time
 
@@ -119,6 +120,16 @@ def report(row: str | None = None, status: int | None = None) -> None:
     lines.append(f"{tag} {status_field}calls {sum(calls.values())} violations {len(violations)} ops {ops}")
     sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()
+
+
+def device_rule_failures(stdout: str, nproc: int) -> list[str]:
+    """What a one-script run's summary lines (above) show wrong: a rank without its line, a rank that made
+    no collective call through torch.distributed, every VIOLATION line; [] when nothing is wrong. For a
+    test that launches a script under this recorder instead of a second launch of its own."""
+    summaries = {int(m[1]): (int(m[2]), int(m[3])) for m in re.finditer(r"^\[collectives rank (\d+)\] calls (\d+) violations (\d+) ", stdout, re.M)}
+    failures = [f"rank {rank} printed no summary line" for rank in range(nproc) if rank not in summaries]
+    failures += [f"rank {rank} made no collective call" for rank, (calls, _) in summaries.items() if calls == 0]
+    return failures + [line for line in stdout.splitlines() if line.startswith("[collectives rank") and "VIOLATION" in line]
 
 
 def start_the_row(row: dict) -> None:
