@@ -65,7 +65,8 @@ def digits_arrays():
     import numpy as np
 
     spec = importlib.util.find_spec("sklearn")  # finds the package without running its __init__
-    csv = Path(next(iter(spec.submodule_search_locations or []), "")) / "datasets" / "data" / "digits.csv.gz"
+    folders = spec.submodule_search_locations if spec else None  # None: not installed (the import below says so)
+    csv = Path(next(iter(folders or []), "")) / "datasets" / "data" / "digits.csv.gz"
     if not csv.is_file():
         from sklearn.datasets import load_digits as sklearn_digits
 
