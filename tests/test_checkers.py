@@ -1027,8 +1027,10 @@ def test_the_grader_scores_the_solutions_fully_and_a_mistake_on_its_own_check(ch
 
 # --- the lab 3 sheet's stored checker runs ------------------------------------------------------------
 REFERENCE = REPO_ROOT / "solutions" / "lab3_reference"
-# The sheet prints these two runs (section 7): the solution, and the mistake whose FAIL also shows a BLOCKED.
-REFERENCE_RUNS = {"convert_check_pass.txt": ("lab3-solution", "solutions/my_ddp.py"), "convert_check_fail.txt": ("local-batchnorm-at-eval", "labs/my_ddp.py")}
+# The sheet prints these two runs (section 7): the solution, and an easy mistake whose fix the lab itself
+# teaches (section 2: the printed loss), so that the example shows how to read a FAIL line without
+# spelling out the answer to one of the hard decisions (issue 38: answers out of sight).
+REFERENCE_RUNS = {"convert_check_pass.txt": ("lab3-solution", "solutions/my_ddp.py"), "convert_check_fail.txt": ("rank0-loss", "labs/my_ddp.py")}
 
 
 def masked(text: str) -> str:
