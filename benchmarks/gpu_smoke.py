@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -65,7 +66,10 @@ def lab1_figure(out: Path) -> str:
     if not records:
         raise KeyFigureError("lab1.json holds no benchmark record")
     largest = max(records, key=lambda record: record["bytes"])
-    return f"busbw {largest['busbw_gbps']:.2f} GB/s at {largest['bytes'] / 2**20:g} MiB"
+    size = f"{largest['bytes'] / 2**20:g} MiB"
+    if largest["world_size"] == 1:  # busbw = algbw * 2(n-1)/n is 0 on one rank: nothing crosses a link
+        return f"algbw {largest['algbw_gbps']:.2f} GB/s at {size} (1 rank: no bus traffic, busbw 0)"
+    return f"busbw {largest['busbw_gbps']:.2f} GB/s at {size}"
 
 
 def lab2_sampler_figure(out: Path) -> str:
@@ -249,8 +253,10 @@ LAB_RUNS = (
            ("--epochs", "1", "--checkpoint-dir", "{out}/checkpoints", "--metrics-json", "{out}/lab3.json"), accuracy_figure("lab3.json")),
     LabRun("lab3_amp", "labs/lab3_ddp.py", ("--epochs", "1", "--amp", "--metrics-json", "{out}/lab3.json"), accuracy_figure("lab3.json"), gpu_only=True),
     LabRun("lab4_solution", "solutions/lab4_broken_ddp.py", ("--max-steps", "10", "--metrics-json", "{out}/lab4.json"), accuracy_figure("lab4.json")),
+    # Lab 5's rows warm up 2 steps, the lab's default: on one H200, 1 warm-up step left DDP's bucket rebuild
+    # in the timed steps (comm fraction 0.87 and 0.91 on one rank; 0.27 and 0.33 with 2 warm-up steps).
     LabRun("lab5", "labs/lab5_scaling.py",
-           ("--config", "comm_bound", "--warmup-steps", "1", "--steps", "2", "--repeats", "1", "--json", "{out}/lab5.json"), lab5_figure),
+           ("--config", "comm_bound", "--warmup-steps", "2", "--steps", "2", "--repeats", "1", "--json", "{out}/lab5.json"), lab5_figure),
     LabRun("lab6", "labs/lab6_ddp_from_scratch.py",
            ("--module", "solutions", "--impl", "all", "--zero", "--check-steps", "3", "--warmup-steps", "1", "--steps", "2",
             "--repeats", "1", "--json", "{out}/lab6.json"), lab6_figure),
@@ -277,7 +283,7 @@ LAB_RUNS = (
            ("--config", "resnet18", "--amp", "--warmup-steps", "2", "--steps", "5", "--repeats", "1", "--json", "{out}/lab5.json"), lab5_figure, gpu_only=True),
     # The README's and lab 5 sheet's sweep: the driver starts a 1-rank and a 2-rank job on the GPUs it sees.
     LabRun("lab5_sweep", "labs/lab5_scaling.py",
-           ("--sweep", "1,2", "--configs", "comm_bound", "--warmup-steps", "1", "--steps", "2", "--repeats", "1", "--rounds", "1",
+           ("--sweep", "1,2", "--configs", "comm_bound", "--warmup-steps", "2", "--steps", "2", "--repeats", "1", "--rounds", "1",
             "--json", "{out}/sweep.json"), lab5_sweep_figure, min_ranks=2, plain_python=True),
     # The README's crash-and-restart run; rank 0 crashes, so that it runs on one GPU too.
     LabRun("lab7_restart", "labs/lab7_fault_tolerance.py",
@@ -330,12 +336,24 @@ def judge(lab: LabRun, result: RunResult, out: Path) -> Outcome:
 
 
 def last_error_line(stderr: str) -> str:
-    """The most telling line of a failed run's stderr: the last one that names an error."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    for line in reversed(lines):
+    """The most telling line of a failed run's stderr: the ranks' last line that names an error, else their last line.
+
+    torchrun's own report (its log lines, and everything from its "failed (exitcode" line on) is left out:
+    it names an error in every failed run ("ChildFailedError", ".../elastic/errors.html") but never its cause.
+    """
+    ranks_lines = []
+    for line in (line.strip() for line in stderr.splitlines()):
+        if "failed (exitcode" in line:
+            break
+        if line and not TORCHRUN_LOG_LINE.match(line):
+            ranks_lines.append(line)
+    for line in reversed(ranks_lines):
         if "error" in line.lower() or "exception" in line.lower():
             return line[:200]
-    return lines[-1][:200] if lines else "no output on stderr"
+    return ranks_lines[-1][:200] if ranks_lines else "no output on stderr before torchrun's failure report"
+
+
+TORCHRUN_LOG_LINE = re.compile(r"[IWE]\d{4} \d\d:\d\d:\d\d")  # glog style: W1130 00:28:23.980000 807 api.py:1012] ...
 
 
 def format_line(outcome: Outcome) -> str:
@@ -347,6 +365,15 @@ def summary(outcomes: list[Outcome]) -> tuple[str, int]:
     passed = sum(outcome.passed for outcome in outcomes)
     failed = len(outcomes) - passed
     return f"{passed} passed, {failed} failed", 0 if outcomes and failed == 0 else 1
+
+
+def pinned_torch_range() -> tuple[str, str] | None:
+    """("2.14", ">=2.14,<2.15") from requirements.txt's torch line, or None if it has none of that form."""
+    for line in (REPO_ROOT / "requirements.txt").read_text().splitlines():
+        match = re.match(r"torch\s*(>=(\d+\.\d+)[^\s#]*)", line)
+        if match:
+            return match.group(2), match.group(1)
+    return None
 
 
 def main() -> int:
@@ -368,6 +395,10 @@ def main() -> int:
 
     print(f"gpu_smoke: {gpus} GPU(s) ({torch.cuda.get_device_name(0)}), torch {torch.__version__}, NCCL, {gpus} rank(s) per lab "
           "(the CPU-only lecture scripts: 2 gloo ranks)", flush=True)
+    pinned = pinned_torch_range()
+    if pinned and not torch.__version__.startswith(pinned[0]):
+        print(f"note: requirements.txt pins torch {pinned[1]}; on torch {torch.__version__} a row that uses a newer API fails",
+              flush=True)
     root = args.keep or Path(tempfile.mkdtemp(prefix="gpu_smoke_"))
     outcomes = []
     for lab in (lab for lab in LAB_RUNS if lab.name in names):

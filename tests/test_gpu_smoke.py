@@ -103,6 +103,20 @@ def test_every_lab_in_the_table_has_a_sample():
                                                       "lectures/scripts/faults_demos.py", "lectures/scripts/sharding_demos.py"}
 
 
+def test_lab1_on_one_gpu_reports_algbw_since_busbw_is_zero(tmp_path):
+    """Seen on a one-GPU H200: busbw 0.00 GB/s, true (2(n-1)/n = 0) but no measurement; algbw is one."""
+    records = [{"algbw_gbps": 0.13, "busbw_gbps": 0.0, "bytes": 4096, "world_size": 1},
+               {"algbw_gbps": 52.41, "busbw_gbps": 0.0, "bytes": 4194304, "world_size": 1}]
+    (tmp_path / "lab1.json").write_text(json.dumps(records))
+    outcome = smoke.judge(LABS["lab1"], finished(), tmp_path)
+    assert outcome.passed and outcome.detail == "algbw 52.41 GB/s at 4 MiB (1 rank: no bus traffic, busbw 0)"
+
+
+def test_the_pinned_torch_range_is_read_from_requirements():
+    major_minor, spec = smoke.pinned_torch_range()
+    assert spec.startswith(f">={major_minor}") and f"torch{spec}" in (REPO_ROOT / "requirements.txt").read_text().replace(" ", "")
+
+
 def test_a_failed_check_fails_the_lab_even_with_exit_status_0(tmp_path):
     (tmp_path / "lab2.json").write_text(json.dumps({"checks": {"coverage": True, "disjoint": False}}))
     outcome = smoke.judge(LABS["lab2_sampler"], finished(), tmp_path)
@@ -208,7 +222,22 @@ def test_a_crashed_lab_fails_with_its_last_error_line(tmp_path):
     )
     outcome = smoke.judge(LABS["lab5"], finished(returncode=1, stderr=stderr), tmp_path)
     assert not outcome.passed
-    assert outcome.detail == "exit status 1: torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"
+    assert outcome.detail == "exit status 1: [rank1]: torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3690, invalid argument"
+
+
+def test_a_script_that_stops_with_one_line_fails_with_that_line(tmp_path):
+    """As on the H200 with torch 2.11: the script's own line, not torchrun's report after it (which names errors.html)."""
+    stderr = (
+        "ddp_internals_demos.py: DDP in torch 2.11.0+cu130 has no forward_sync_buffers argument (the BatchNorm demo needs it); "
+        "install the torch that requirements.txt pins\n"
+        "W1130 00:28:23.980000 807 torch/distributed/elastic/multiprocessing/api.py:1012] Sending process 813 closing signal SIGTERM\n"
+        "E1130 00:28:23.988000 807 torch/distributed/elastic/multiprocessing/api.py:986] failed (exitcode: 1) local_rank: 0\n"
+        "Traceback (most recent call last):\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+        "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n"
+    )
+    outcome = smoke.judge(LABS["lecture4_demos"], finished(returncode=1, stderr=stderr), tmp_path)
+    assert outcome.detail.startswith("exit status 1: ddp_internals_demos.py: DDP in torch 2.11.0+cu130 has no forward_sync_buffers")
 
 
 def test_a_lab_that_timed_out_fails(tmp_path):

@@ -210,6 +210,23 @@ def test_the_demo_script_starts_gloo_even_where_a_gpu_is_visible(monkeypatch, tm
     assert "gloo" in demos.__doc__ and "GPU machine" in demos.__doc__
 
 
+def test_an_older_torch_gets_one_line_before_any_process_group(monkeypatch, tmp_path):
+    """Seen on a GPU machine with torch 2.11: DDP had no forward_sync_buffers, and every rank printed a traceback."""
+    demos = import_script(SCRIPTS / "ddp_internals_demos.py")
+
+    class TorchElevenDDP:  # the constructor's arguments as torch 2.11 has them, without forward_sync_buffers
+        def __init__(self, module, device_ids=None, broadcast_buffers=True, process_group=None):
+            pass
+
+    monkeypatch.setattr(demos, "DDP", TorchElevenDDP)
+    monkeypatch.setattr(demos.dist, "init_process_group", lambda **kwargs: pytest.fail("the group started anyway"))
+    monkeypatch.setattr(sys, "argv", ["ddp_internals_demos.py", "--json", str(tmp_path / "report.json")])
+    with pytest.raises(SystemExit) as stopped:
+        demos.main()
+    message = str(stopped.value.code)
+    assert "\n" not in message and "no forward_sync_buffers argument" in message and "requirements.txt" in message
+
+
 LECTURE = REPO_ROOT / "lectures" / "04_ddp_internals.ipynb"
 
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
+import sys
 import warnings
 from datetime import timedelta
 
@@ -420,11 +422,19 @@ def run_demos(rank: int, world_size: int, trace_dir: str | None) -> dict:
     return report
 
 
+def require_forward_sync_buffers() -> None:
+    """One clear line, not a traceback per rank, on a torch older than the course's (seen with 2.11)."""
+    if "forward_sync_buffers" not in inspect.signature(DDP.__init__).parameters:
+        sys.exit(f"ddp_internals_demos.py: DDP in torch {torch.__version__} has no forward_sync_buffers argument "
+                 "(the BatchNorm demo needs it); install the torch that requirements.txt pins")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="where rank 0 writes every rank's facts")
     parser.add_argument("--trace-dir", help="write profiler traces of a DDP step here (two folders)")
     args = parser.parse_args()
+    require_forward_sync_buffers()
     init_process_group_inline(timeout_s=60, backend=DEMO_BACKEND)
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -7,8 +7,8 @@ step on every rank. One job, several parts.
     some parts only, longer:
         torchrun --standalone --nproc_per_node=2 lectures/scripts/perf_ddp_job.py --out-dir runs/l5 \
             --parts hooks --hook-steps 300
-    8 GPUs (NCCL) - written with care (device from LOCAL_RANK, every tensor on the rank's GPU), NOT
-    run on a GPU yet:
+    8 GPUs (NCCL) - written with care (device from LOCAL_RANK, every tensor on the rank's GPU), run on
+    one GPU (1 rank, benchmarks/gpu_smoke.py), never on several:
         torchrun --standalone --nproc_per_node=8 lectures/scripts/perf_ddp_job.py --out-dir runs/gpu
 
 What you should see: rank 0 prints one line per part and writes OUT_DIR/perf.json (every number
