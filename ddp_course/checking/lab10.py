@@ -53,8 +53,11 @@ MAX_DATA_SHARE = 0.20  # share of a step's CPU time spent producing its batch: f
 MAX_ROUNDS_PER_STEP = 1  # all-reduce rounds (one per bucket) per optimizer step; per micro-batch: 2
 MAX_BUCKETS = 2  # DDP's default buckets hold the model's 0.6 MB in 1; 0.01 MB buckets make 3 or more
 # Busiest rank's CPU per step, besides producing the batch, over the least busy rank's: ranks doing the
-# same work 1.00-1.23 in two test runs on a loaded machine, rank 0 evaluating every step 2.8-3.2.
-MAX_CPU_IMBALANCE = 1.5
+# same work 1.00-1.23 in two test runs on a loaded machine, rank 0 evaluating every step 2.8-3.6. It was
+# 1.5 until the data fault (per-sample Python, the same on both ranks) measured 1.54 once in a quiet suite
+# run (2026-11-30; 1.00-1.07 in 8 runs by themselves): per-step CPU times of about 10 ms carry that much
+# noise on a shared VM. 2.0 sits about 1.3x above the worst same-work figure and 1.4x below the straggler.
+MAX_CPU_IMBALANCE = 2.0
 # The script's samples/s over the reference's: at most 2.5x slower. Short timed runs are noisy: on the
 # course's 2-core machine (2026-11-29) the solution against itself measured 0.80-1.24 (7 checker runs, quiet),
 # and 0.61-1.13 while a one-process run shared the cores; the extra-work control (a real slowdown with no
