@@ -45,13 +45,19 @@ def uninterrupted_run(directory: Path, timeout_s: float = 300):
     return run_torchrun(LAB7, lab7_flags(directory, "straight"), nproc=2, timeout_s=timeout_s, env=RESTART_SAFE_ENV)
 
 
+def crash_flags(directory: Path, crash_step: int, crash_rank: int) -> list:
+    """The lab's flags for a crash trial: the reference's, saving to crash<step>_rank<rank>.pt, and the crash."""
+    name = f"crash{crash_step}_rank{crash_rank}"
+    return [*lab7_flags(directory, name), "--crash-at-step", crash_step, "--crash-rank", crash_rank]
+
+
 def crash_run(directory: Path, crash_step: int, crash_rank: int, timeout_s: float = 400, driver=None):
     """Rank crash_rank dies at crash_step; torchrun restarts both ranks once.
 
     driver=(script, args): torchrun starts `script args... LAB7 flags...` instead of the lab, a script
     that changes something in each worker and then runs the lab's main() (the test's stale node).
     """
-    flags = [*lab7_flags(directory, f"crash{crash_step}_rank{crash_rank}"), "--crash-at-step", crash_step, "--crash-rank", crash_rank]
+    flags = crash_flags(directory, crash_step, crash_rank)
     script, args = (LAB7, flags) if driver is None else (driver[0], [*driver[1], LAB7, *flags])
     return run_torchrun(script, args, nproc=2, timeout_s=timeout_s, env=RESTART_SAFE_ENV, torchrun_args=["--max-restarts=1"])
 

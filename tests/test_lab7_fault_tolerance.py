@@ -5,11 +5,13 @@ one uninterrupted run and three crash-and-restart runs of a model with dropout
 (benchmarks/lab7_crash_trials.py's trial functions, so the test and the 10-trial benchmark judge
 alike; in the last one rank 1 also plays a node with a stale view of the checkpoint directory when
 it restarts), a resume in which rank 1 loads a stale copy of the newest checkpoint, one elastic
-job of two agents that loses one, and a torchrun the lab refuses. The lab's other refusal, a
+job of two agents that loses one, and a torchrun the lab refuses. The uninterrupted run, the
+stale-copy resume and the first crash run are rows of one launch (SHARED_ROWS): most of a launch
+is start-up, which they pay once instead of three times. The lab's other refusal, a
 --crash-rank outside the job, needs the job's size but no second process: main() runs here with
 the context of a rank of 2 (its one-line exit under torchrun is the refused launch's).
 
-The `launches` fixture runs the seven in threads: the elastic job spends most of its time waiting
+The `launches` fixture runs the five launches in threads: the elastic job spends most of its time waiting
 (for the rendezvous's heartbeat and last-call timeouts) and the others use that time, two at a
 time (LAUNCHES_AT_ONCE), so the module takes about as long as the CPU work of its launches
 instead of the sum of their durations. A launch's deadline (run_torchrun's timeout_s) counts from
@@ -18,7 +20,6 @@ its own start, not from its place in the queue.
 
 import json
 import re
-import shutil
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ from ddp_course.models import DigitsCNN
 from ddp_course.resume import RESTART_SAFE_ENV, ResumableDistributedSampler, epoch_order, samples_consumed
 
 LAB7 = REPO_ROOT / "labs" / "lab7_fault_tolerance.py"
+rows_launch = import_script(REPO_ROOT / "tests" / "scripts" / "rows_launch.py", "rows_launch")
 
 # --- ResumableDistributedSampler (ddp_course/resume.py) ----------------------------------------------
 
@@ -120,6 +122,9 @@ CRASHES = [(7, 1), (19, 0), (26, 1)]
 # The crash whose workers run the lab through the stale-node driver (STALE_NODE, "listing"): its
 # restart finds checkpoints 15, 20 and 25, and rank 1 lists 20 as the newest.
 STALE_LISTING_CRASH = (26, 1)
+# The crash run that is the last row of the uninterrupted run's launch (shared_launch); the others
+# are launches of their own, as torchrun restarts a launch once and the lab crashes on attempt 0 only.
+SHARED_CRASH = (7, 1)
 # Launches running at once besides the elastic job. Each is CPU-bound on 2 cores; more at once only
 # adds switching: 6 uninterrupted runs took 33.5 s two at a time, 41.5 s all at once (65 and 82
 # CPU-seconds), 37.9 s one at a time.
@@ -138,11 +143,11 @@ def launches(trials, tmp_path_factory):
     The elastic job starts first, alone: its second agent must join the rendezvous within the
     first agent's last call (RENDEZVOUS_CONF), which a machine busy starting other jobs could
     exceed. The others start once both of its workers train, LAUNCHES_AT_ONCE at a time, in the
-    order submitted: the uninterrupted run first, as the stale-file resume waits for its checkpoints.
+    order submitted: the shared launch first, the longest (three rows, one after another).
     """
     crash_dir, elastic_dir = tmp_path_factory.mktemp("crash_trials"), tmp_path_factory.mktemp("elastic")
     no_variable_dir = tmp_path_factory.mktemp("no_variable")
-    driver = crash_dir / "stale_node.py"
+    driver = crash_dir / "stale_node.py"  # shared_row_commands names it too
     driver.write_text(STALE_NODE)
     # One thread for the elastic job, which waits most of its time; LAUNCHES_AT_ONCE for the rest.
     with ThreadPoolExecutor(max_workers=1 + LAUNCHES_AT_ONCE, thread_name_prefix="lab7") as pool:
@@ -152,22 +157,65 @@ def launches(trials, tmp_path_factory):
             return any((elastic_dir / "samples").glob("samples_attempt*_rank1.jsonl")) or futures["elastic"].done()
 
         wait_until(two_ranks_train, 300)
-        futures["reference"] = pool.submit(trials.uninterrupted_run, crash_dir)
+        futures["shared"] = pool.submit(shared_launch, crash_dir, trials)
         for crash in CRASHES:
-            stale_listing = (driver, ["listing"]) if crash == STALE_LISTING_CRASH else None
-            futures[crash] = pool.submit(trials.crash_run, crash_dir, *crash, driver=stale_listing)
-        # It gets a thread when three launches have ended, the reference (started first) almost surely one.
-        futures["file"] = pool.submit(stale_file_launch, crash_dir, trials, driver, futures["reference"])
+            if crash != SHARED_CRASH:
+                stale_listing = (driver, ["listing"]) if crash == STALE_LISTING_CRASH else None
+                futures[crash] = pool.submit(trials.crash_run, crash_dir, *crash, driver=stale_listing)
         futures["no variable"] = pool.submit(launch_without_the_variable, no_variable_dir)
         yield {"crash_dir": crash_dir, "elastic_dir": elastic_dir, "no_variable_dir": no_variable_dir, **futures}
         # Leaving the `with` waits for every launch; each has a deadline (run_torchrun's timeout_s).
 
 
+# The rows of shared_launch, in order: (name, expected exit status on every rank). The copy row
+# (rank 0 copies the uninterrupted run's checkpoint 25 and progress) ends on every rank before the
+# stale-file row starts; the crash row goes last, as its restart reruns only the rows not yet passed.
+SHARED_ROWS = [("reference", 0), ("copy", 0), ("stale-file", 1), ("crash", 0)]
+
+
+def shared_row_commands(directory, trials):
+    """{row name: (script, flags)} of shared_launch's rows; the stale-node driver is directory/stale_node.py."""
+    driver = directory / "stale_node.py"
+    stale_flags = [*trials.lab7_flags(directory, "stale_file"), "--timeout-s", 30]  # the later --timeout-s wins
+    checkpoint_25 = ["checkpoint_step00000025.pt", "progress.json"]
+    return {
+        "reference": (LAB7, trials.lab7_flags(directory, "straight")),
+        "copy": (driver, ["copy", directory / "straight_checkpoints", directory / "stale_file_checkpoints", *checkpoint_25]),
+        "stale-file": (driver, ["file", LAB7, *stale_flags]),
+        "crash": (LAB7, trials.crash_flags(directory, *SHARED_CRASH)),
+    }
+
+
+def shared_row(directory, trials, name, launch=None):
+    """The RowRun of one row of shared_launch (launch: the launch's RunResult, once it has ended)."""
+    script, flags = shared_row_commands(directory, trials)[name]
+    run = rows_launch.Run(2, script, [str(flag) for flag in flags], dict(SHARED_ROWS)[name])
+    return rows_launch.RowRun((name,), run, directory / "shared_rows_out" / name, launch)
+
+
+def shared_launch(directory, trials):
+    """One launch (--max-restarts=1) of the rows SHARED_ROWS through the recorder (tests/scripts/rows_launch.py).
+
+    Every row but the crash writes its output to files of its own (its RowRun); the crash row writes to
+    the launch's streams, as its output spans both attempts (a row's files are rewritten when it runs again)."""
+    rows = []
+    for name, _ in SHARED_ROWS:
+        row = shared_row(directory, trials, name)
+        entry = rows_launch.row_entry(row.key, row.run, row.folder, row.run.flags)
+        rows.append({key: value for key, value in entry.items() if not (name == "crash" and key == "out_dir")})
+    rows_folder = directory / "shared_rows"
+    rows_folder.mkdir()
+    return rows_launch.launch_rows(rows, rows_folder, 2, timeout_s=600, env=RESTART_SAFE_ENV, torchrun_args=["--max-restarts=1"])
+
+
 @pytest.fixture(scope="module")
-def crash_runs(launches):
-    reference = launches["reference"].result()
-    assert reference.ok, reference.describe()
-    return launches["crash_dir"], reference, {crash: launches[crash].result() for crash in CRASHES}
+def crash_runs(launches, trials):
+    """(directory, the uninterrupted run's RowRun, {crash: RunResult of the launch that ran it})."""
+    directory, shared = launches["crash_dir"], launches["shared"].result()
+    reference = shared_row(directory, trials, "reference", shared)
+    assert reference.ended_as_expected(), reference.describe()
+    results = {crash: shared if crash == SHARED_CRASH else launches[crash].result() for crash in CRASHES}
+    return directory, reference, results
 
 
 @pytest.mark.timeout(1800)
@@ -200,7 +248,7 @@ def test_the_weight_comparison_can_fail(crash_runs, trials):
 def test_the_runs_train_with_dropout(crash_runs, trials):
     """The runs above have a dropout layer that draws a new mask at every training forward pass."""
     _, reference, _ = crash_runs
-    assert f" dropout={trials.DROPOUT} " in reference.stdout
+    assert f" dropout={trials.DROPOUT} " in reference.job_stdout()
     model = DigitsCNN(dropout=trials.DROPOUT).train()
     images = torch.ones(4, 1, 8, 8)
     assert not torch.equal(model(images), model(images))  # two forward passes, two masks
@@ -210,9 +258,12 @@ def test_the_runs_train_with_dropout(crash_runs, trials):
 @pytest.mark.timeout(1800)
 def test_the_uninterrupted_run_checkpoints_its_position_in_samples(crash_runs):
     directory, reference, _ = crash_runs
-    assert "0 steps recomputed in all" in reference.stdout
-    assert "step 20: checkpoint (epoch 0, 1280 of 1438 samples)" in reference.stdout  # 20 x 32 x 2
-    assert "step 25: checkpoint (epoch 1, 128 of 1438 samples)" in reference.stdout  # 23 steps end epoch 0
+    stdout = reference.job_stdout()
+    # It ran once, on the launch's first attempt (its launch allows the crash row's restart).
+    assert "attempt=0 max_restarts=1" in stdout and "attempt=1" not in stdout, reference.describe()
+    assert "done: step 30, world_size=2, attempt 0 | 0 steps recomputed in all" in stdout
+    assert "step 20: checkpoint (epoch 0, 1280 of 1438 samples)" in stdout  # 20 x 32 x 2
+    assert "step 25: checkpoint (epoch 1, 128 of 1438 samples)" in stdout  # 23 steps end epoch 0
     state = torch_load(directory / "straight_checkpoints" / "checkpoint_step00000030.pt")
     assert (state["global_step"], state["epoch"], state["samples_consumed"]) == (30, 1, 448)
     assert len(state["rng_states"]) == 2 and not any(name.startswith("module.") for name in state["model"])
@@ -225,12 +276,22 @@ def test_the_uninterrupted_run_checkpoints_its_position_in_samples(crash_runs):
 # "listing": it lists the directory as it was before the newest save (NFS attribute caching);
 # "file": the newest file's name, but an older copy's contents (its global_step is 5 lower).
 # Usage: stale_node.py listing|file LAB7 LAB7_FLAGS...
+# and, as the row before "file" in shared_launch: stale_node.py copy FROM TO NAME... (rank 0 copies the
+# files; the next row starts when every rank has ended this one).
 STALE_NODE = textwrap.dedent(
     """
-    import os, sys
+    import os, shutil, sys
     import ddp_course.training as training
     from ddp_course.checkpoint import list_checkpoints
     from ddp_course.launch import import_script
+
+    if sys.argv[1] == "copy":
+        source, target, names = sys.argv[2], sys.argv[3], sys.argv[4:]
+        if os.environ["RANK"] == "0":
+            os.makedirs(target)
+            for name in names:
+                shutil.copy(os.path.join(source, name), os.path.join(target, name))
+        sys.exit(0)
 
     stale, lab = sys.argv[1], import_script(sys.argv[2])
     sys.argv = sys.argv[2:]  # the lab's own name in its messages ("lab7_fault_tolerance.py: error: ...")
@@ -251,21 +312,13 @@ STALE_NODE = textwrap.dedent(
         lab.latest_checkpoint = listing_before_the_newest_save
     if os.environ["RANK"] == "1" and stale == "file":
         training.load_checkpoint = older_copy
-    sys.exit(lab.main(args))
+    try:
+        status = lab.main(args)
+    finally:  # the later rows of a shared launch load checkpoints as they are
+        training.load_checkpoint = fresh_load
+    sys.exit(status)
     """
 )
-
-
-def stale_file_launch(directory, trials, driver, reference):
-    """Resume to step 30 from a copy of the uninterrupted run's checkpoint 25 (and its progress)."""
-    if not reference.result().ok:
-        pytest.fail("no checkpoint to resume from: the uninterrupted run failed")
-    checkpoints = directory / "stale_file_checkpoints"  # the directory trials.lab7_flags names
-    checkpoints.mkdir()
-    for name in ("checkpoint_step00000025.pt", "progress.json"):
-        shutil.copy(directory / "straight_checkpoints" / name, checkpoints / name)
-    flags = [*trials.lab7_flags(directory, "stale_file"), "--timeout-s", 30]  # the later --timeout-s wins
-    return run_torchrun(driver, ["file", LAB7, *flags], nproc=2, timeout_s=300, env=RESTART_SAFE_ENV)
 
 
 @pytest.mark.timeout(1800)
@@ -282,17 +335,21 @@ def test_every_rank_resumes_from_the_checkpoint_rank_0_chose(crash_runs, trials)
 
 
 @pytest.mark.timeout(1800)
-def test_ranks_that_loaded_different_steps_stop_with_one_line(launches):
-    directory, result = launches["crash_dir"], launches["file"].result()
-    assert not result.ok and not result.timed_out and result.wall_s < 200, result.describe()
-    errors = [line for line in result.stderr.splitlines() if line.startswith("lab7_fault_tolerance.py: error:")]
+def test_ranks_that_loaded_different_steps_stop_with_one_line(launches, trials):
+    """Resume to step 30 from a copy of the uninterrupted run's checkpoint 25 (and its progress), in which
+    rank 1 reads an older copy (a row of shared_launch, after the copy row)."""
+    directory = launches["crash_dir"]
+    result = shared_row(directory, trials, "stale-file", launches["shared"].result())
+    # Both ranks ended the row by themselves with status 1; the launch went on to the crash row.
+    assert result.ended_as_expected() and not result.launch.timed_out, result.describe()
+    errors = [line for line in result.job_stderr().splitlines() if line.startswith("lab7_fault_tolerance.py: error:")]
     assert len(errors) == 1, result.describe()
     assert re.fullmatch(
         r"lab7_fault_tolerance.py: error: the ranks resumed from different states of \S+checkpoint_step00000025\.pt: "
         r"global_step \[25, 20\] in rank order \(does every node see the same files in the checkpoint directory\?\)",
         errors[0],
     ), errors[0]
-    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
+    assert not result.a_rank_printed_a_traceback(), result.describe()
     assert not (directory / "stale_file.pt").exists()
 
 

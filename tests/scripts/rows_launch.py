@@ -127,8 +127,9 @@ def row_entry(key: tuple, run: Run, folder: Path, args: list[str]) -> dict:
     return {**entry, "late_start": run.late_start} if run.late_start else entry
 
 
-def launch_rows(rows: list[dict], rows_folder: Path, nproc: int, timeout_s: float) -> RunResult:
-    """One launch that runs rows (row_entry's) in order; rows_folder holds the rows file and the rows' markers."""
+def launch_rows(rows: list[dict], rows_folder: Path, nproc: int, timeout_s: float, env=None, torchrun_args=()) -> RunResult:
+    """One launch that runs rows (row_entry's) in order; rows_folder holds the rows file and the rows' markers.
+    env and torchrun_args as run_torchrun's (lab 7's rows: its restart-safe environment and --max-restarts)."""
     rows_file = rows_folder / "rows.json"
     rows_file.write_text(json.dumps(rows, indent=1))
-    return run_torchrun(RECORDER, ["--rows", rows_file], nproc=nproc, timeout_s=timeout_s)
+    return run_torchrun(RECORDER, ["--rows", rows_file], nproc=nproc, timeout_s=timeout_s, env=env, torchrun_args=torchrun_args)
