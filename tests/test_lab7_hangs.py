@@ -1,10 +1,14 @@
 """labs/lab7_hangs.py: every planted hang ends in time with the tool's diagnosis; Join finishes correctly.
 
-Seven launches (the five scenarios, and two without their tool) run in threads, LAUNCHES_AT_ONCE
-at a time, in one module fixture: a launch is mostly start-up (CPU) and a wait for its own
---timeout-s (idle), so while one waits another starts. The broken ones use a 2 s timeout; "in
-time" is checked on the time rank 0 spent in the collective that failed (at most 2 x --timeout-s),
-which does not depend on how long a loaded machine takes to start the processes.
+Seven runs (the five scenarios, and two without their tool) are rows of four launches (LAUNCHES,
+tests/scripts/rows_launch.py): most of a launch is start-up (torchrun's agent and two ranks
+importing torch), which the rows of a launch pay once. A run whose collectives time out on purpose
+ends its launch (the group it leaves behind is broken), so each launch holds one, last; the runs
+that end at once (DETAIL's mismatches, Join) go before it. The launches run in threads,
+LAUNCHES_AT_ONCE at a time: a launch is mostly start-up (CPU) and a wait for its own --timeout-s
+(idle), so while one waits another starts. The broken runs use a 2 s timeout; "in time" is
+checked on the time rank 0 spent in the collective that failed (at most 2 x --timeout-s), which
+does not depend on how long a loaded machine takes to start the processes.
 """
 
 import re
@@ -13,9 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script
 
 LAB7_HANGS = REPO_ROOT / "labs" / "lab7_hangs.py"
+rows_launch = import_script(REPO_ROOT / "tests" / "scripts" / "rows_launch.py", "rows_launch")
 # Measured with the seven launches at once (load average 5): after the scenario's group exists, the two ranks
 # reach each matching collective within 0.02 s of each other (DDP's constructor included, which first spends
 # about 5 s importing torch._dynamo on every rank); 2 s is 100x that, and the hangs still wait for it.
@@ -30,11 +35,20 @@ RUNS = {
     "uneven": ["--scenario", "uneven"],
     "uneven-join": ["--scenario", "uneven-join"],
 }
+# The rows of each launch, in order; the last of each times out on purpose. Both uneven runs share a
+# launch: each rank imports torch._dynamo (DDP's constructor needs it, seconds of CPU) once for both.
+LAUNCHES = [
+    ["rank0-only", "shape-mismatch", "missing-rank"],
+    ["uneven-join", "uneven"],
+    ["shape-mismatch, no tools"],
+    ["missing-rank, no tools"],
+]
 
 
 # Launches running at once. Each is mostly CPU-bound start-up (torch imports in the agent and both
-# ranks) on 2 cores, so more at once only adds switching: the module took about 30 s with 2, 3 or 4
-# at once and 34 s with all 7, for 45, 50, 53 and 59 CPU-seconds (one run each, alone, load 3-3.6).
+# ranks) on 2 cores, so more at once only adds switching: with one launch per run, the module took
+# about 30 s with 2, 3 or 4 at once and 34 s with all 7, for 45, 50, 53 and 59 CPU-seconds (one run
+# each, alone, load 3-3.6).
 LAUNCHES_AT_ONCE = 2
 
 
@@ -42,35 +56,66 @@ def load_module():
     return import_script(LAB7_HANGS)
 
 
+def expected_status(name) -> int:
+    return 0 if name == "uneven-join" else 1
+
+
+def file_name(name) -> str:
+    """"missing-rank, no tools" -> "missing-rank-no-tools": the run's output folder and report name."""
+    return rows_launch.row_name((name,)).replace(",", "")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, read_json):
-    """{name: (RunResult, rank 0's JSON or None)} for every launch in RUNS, LAUNCHES_AT_ONCE at a time."""
+    """{name: (RowRun, rank 0's JSON or None)} for every run in RUNS, as rows of LAUNCHES."""
     folder = tmp_path_factory.mktemp("lab7_hangs")
 
-    def launch(name):
-        # Join must not fail because a busy machine stalls a rank: it gets a long timeout.
-        timeout = 60 if name == "uneven-join" else TIMEOUT_S
-        report = folder / f"{name.replace(' ', '_').replace(',', '')}.json"
-        result = run_torchrun(LAB7_HANGS, [*RUNS[name], "--timeout-s", timeout, "--json", report], nproc=2, timeout_s=240)
-        return result, read_json(report) if report.exists() else None
+    def row(name, launch=None):
+        run = rows_launch.Run(2, LAB7_HANGS, [], expected_status(name))
+        return rows_launch.RowRun((name,), run, folder / file_name(name), launch)
+
+    def report(name):
+        return folder / f"{file_name(name)}.json"
+
+    def launch(names):
+        entries = []
+        for name in names:
+            # Join must not fail because a busy machine stalls a rank: it gets a long timeout.
+            timeout = 60 if name == "uneven-join" else TIMEOUT_S
+            each, flags = row(name), [*RUNS[name], "--timeout-s", timeout, "--json", report(name)]
+            entries.append(rows_launch.row_entry(each.key, each.run, each.folder, flags))
+        rows_folder = folder / f"rows{LAUNCHES.index(names)}"
+        rows_folder.mkdir()
+        return rows_launch.launch_rows(entries, rows_folder, 2, timeout_s=240)
 
     with ThreadPoolExecutor(max_workers=LAUNCHES_AT_ONCE) as pool:
-        futures = {name: pool.submit(launch, name) for name in RUNS}
-        return {name: future.result() for name, future in futures.items()}
+        futures = [(names, pool.submit(launch, names)) for names in LAUNCHES]
+        results = {name: row(name, future.result()) for names, future in futures for name in names}
+    return {name: (result, read_json(report(name)) if report(name).exists() else None) for name, result in results.items()}
+
+
+def last_of_its_launch(name) -> bool:
+    return any(names[-1] == name for names in LAUNCHES)
 
 
 def rank_lines(result) -> dict[str, list[str]]:
-    """{"0": [rank 0's lines], "1": [...]} from the "[rank r] ..." lines of stdout."""
+    """{"0": [rank 0's lines], "1": [...]} from the "[rank r] ..." lines of the run's stdout."""
     lines = {}
-    for rank, text in re.findall(r"^\[rank (\d)\] (.*)$", result.stdout, flags=re.MULTILINE):
+    for rank, text in re.findall(r"^\[rank (\d)\] (.*)$", result.job_stdout(), flags=re.MULTILINE):
         lines.setdefault(rank, []).append(text)
     return lines
 
 
 def assert_failed_in_time(result, report):
-    """Non-zero exit by the script's own diagnosis (not the launcher's kill), within 2 x the timeout."""
-    assert not result.timed_out and result.returncode != 0, result.describe()
-    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr, result.describe()
+    """Non-zero exit by the script's own diagnosis (not the launcher's kill), within 2 x the timeout.
+
+    A run that ends its launch failed by itself (RowRun.failed_by_itself); one before the last of its
+    launch ended with status 1 on every rank, or the launch would have stopped there."""
+    name = result.key[0]
+    ended = result.failed_by_itself() if last_of_its_launch(name) else result.ended_as_expected()
+    assert ended, result.describe()
+    assert not result.a_rank_printed_a_traceback(), result.describe()
+    assert "[rank0]: Traceback" not in result.launch.stderr and "[rank1]: Traceback" not in result.launch.stderr, result.describe()
     assert report is not None and report["status"] == 1, result.describe()
     assert report["seconds_waited"] <= 2 * TIMEOUT_S, report
 
@@ -84,7 +129,7 @@ def test_rank0_only_collective_is_named_by_detail_on_both_ranks(runs):
                           "(this rank ran ALLREDUCE [4]; they differ in op type, tensor shapes, tensor dtypes, tensor devices)"]
     assert lines["1"] == ["stopped in the end-of-step barrier: mismatch: Detected mismatch between collectives "
                           "(this rank ran BARRIER; they differ in op type)"]
-    assert "tool=DETAIL" in result.stdout
+    assert "tool=DETAIL" in result.job_stdout()
     assert report["seconds_waited"] < TIMEOUT_S  # DETAIL stops at once: it does not wait for the timeout
 
 
@@ -125,7 +170,7 @@ def test_missing_rank_is_named_by_monitored_barrier_only(runs):
 def test_uneven_inputs_without_join_stop_at_the_timeout_saying_where(runs):
     result, report = runs["uneven"]
     assert_failed_in_time(result, report)
-    assert "batches per rank: [2, 3] - uneven: DDP needs Join" in result.stdout
+    assert "batches per rank: [2, 3] - uneven: DDP needs Join" in result.job_stdout()
     lines = rank_lines(result)
     assert lines["0"][0].startswith("stopped in the end-of-epoch barrier, after its 2 steps: "), result.describe()
     assert lines["1"][0].startswith("stopped in the gradient all-reduce of step 3 (of 3): "), result.describe()
@@ -137,10 +182,10 @@ def test_uneven_inputs_without_join_stop_at_the_timeout_saying_where(runs):
 @pytest.mark.timeout(300)
 def test_join_finishes_with_identical_weights_that_follow_the_join_rule(runs):
     result, report = runs["uneven-join"]
-    assert result.ok, result.describe()
+    assert result.ended_as_expected() and not result.a_rank_printed_a_traceback(), result.describe()
     assert report["status"] == 0 and report["seconds_waited"] is None
     assert ("finished: steps per rank [2, 3]; identical weights on every rank: True; "
-            "equal to the Join rule computed in one process: True") in result.stdout
+            "equal to the Join rule computed in one process: True") in result.job_stdout()
 
 
 @pytest.mark.timeout(60)
