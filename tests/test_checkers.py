@@ -18,7 +18,7 @@
 Each job is a real torchrun job (2 gloo ranks on the CPU, 3 for lab 3's checker) under the observer. Nearly all of a job's
 CPU is start-up (Python and torch imports: about 10 CPU-seconds for torchrun's agent and 2 ranks),
 not its 2 epochs of training (issue 22). So the file launches as few jobs as its proofs need, and
-ONE module fixture, `jobs`, starts all 4 launches of both checkers:
+ONE module fixture, `jobs`, starts all 3 launches of both checkers:
 
 - ONE launch for lab 3: the solution, its planted mistakes and its correct variants, each run twice as the checker runs
   it (straight, then resumed from its epoch-1 checkpoint), one after another in the same 3 ranks as three
@@ -40,8 +40,13 @@ ONE module fixture, `jobs`, starts all 4 launches of both checkers:
   `--no-rescue` runs it) is the launch's very last row: it dies at gloo's timeout, which ends the launch
   (until 30 Nov 2026 a launch of its own, about 15 CPU-seconds of start-up);
 - lab 4's job that hangs, in a launch of its own: it is killed at the checker's limit and spends most
-  of its time waiting (it is the checker's own check(), launch and all);
-- lab 4's minimal hang under TORCH_DISTRIBUTED_DEBUG=DETAIL.
+  of its time waiting (it is the checker's own check(), launch and all).
+
+Lab 4's minimal hang under TORCH_DISTRIBUTED_DEBUG=DETAIL is not launched here: lab 4's sheet
+(labs/lab4_broken_ddp.ipynb, the cell that runs labs/lab4_minimal_hang.py) runs the same job under
+`pytest --nbval`, and its compared output states what this file's test of it asserted until 30 Nov 2026
+(exit status 1, stopped by DETAIL's check and not by the timeout, the _ProcessGroupWrapper, each rank's
+own collective #2: ALLREDUCE on rank 0, BARRIER on rank 1).
 
 Both checkers are in one file so that their launches share one pool: the CPU-bound ones keep the 2
 cores busy while the hung job waits for its limit (see `jobs` for the order). Measured against the
@@ -82,7 +87,7 @@ import torch
 
 from ddp_course.checking.verdict import summary
 from ddp_course.data import load_digits
-from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
+from ddp_course.launch import REPO_ROOT, import_script
 
 BROKEN = REPO_ROOT / "labs" / "lab4_broken_ddp.py"
 LAB4_SOLUTION = REPO_ROOT / "solutions" / "lab4_broken_ddp.py"
@@ -338,8 +343,6 @@ HUNG_JOB_LIMIT_S = 45
 # 15-17 s (a run is about 0.5 s once torch._dynamo is imported and gc.freeze() keeps the collector's
 # work small, see ddp_course/checking/observer.py); the limit is for a much slower machine.
 ROWS_TIMEOUT_S = 600
-# The minimal hang: 5-7 s.
-MINIMAL_HANG_TIMEOUT_S = 120
 # The start method of macOS and Windows: each DataLoader worker is a fresh Python that unpickles the
 # dataset. It is the start method of one row of lab 4's rows launch (its last, "spawn"): a sitecustomize.py
 # on that launch's PYTHONPATH makes the default context (the one a DataLoader starts its workers with)
@@ -545,10 +548,10 @@ def conversion_rows(convert_checker, name: str, script) -> dict:
 def jobs(checker, convert_checker, tmp_path_factory):
     """Every launch of both checkers, started at once or queued (see below): {name: Future}.
 
-    A test waits for its own job's result (a failed job fails only the tests that read it). A lab 4
-    check runs in this process (checker.check saves the checker's start-up) and gives (Observation,
-    its seven lines); "rows" gives {row name: Observation}; "convert" gives (output, {check: 'STATUS
-    evidence'}, exit status) of lab 3's checker's main(); the others give RunResults.
+    A test waits for its own job's result (a failed job fails only the tests that read it). "hung", lab
+    4's check run in this process (checker.check saves the checker's start-up), and "unrescued", a row
+    of lab 4's launch judged as checker.check judges, give (Observation, its seven lines); "rows3",
+    "rows4" and "rows" (both) give {row name: Observation}.
     """
 
     def check(folder, script=None, make_source=None, **options):
@@ -559,16 +562,13 @@ def jobs(checker, convert_checker, tmp_path_factory):
         observation, verdicts = checker.check(script, folder / "observed", **options)
         return observation, "\n".join(verdict.line() for verdict in verdicts)
 
-    minimal = REPO_ROOT / "labs" / "lab4_minimal_hang.py"
-    detail = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
     # The order. The job that soon only waits, "hung", starts at once on a thread of its own
-    # (HUNG_JOB_LIMIT_S is 2.5x the time it takes to reach its sleep). The 3 CPU-bound ones run 2 at a
-    # time, the longest (lab 3's rows) first: on 2 cores more at once only add switching. Lab 4's rows
-    # (the unrescued exercise the last of them) and the minimal hang take the other place in turn.
+    # (HUNG_JOB_LIMIT_S is 2.5x the time it takes to reach its sleep). The 2 CPU-bound ones, lab 3's
+    # rows and lab 4's (the unrescued exercise the last of them), run side by side, one per core.
     # A rank that crashes at exit fails its test: no relaunch here, and none by pytest (a rerun would
     # only read this result again).
     # Made here, before the threads: tmp_path_factory's first call also makes its base folder, and
-    # digits() caches the digits for every job (4 threads would each load them at once).
+    # digits() caches the digits for every job (3 threads would each load them at once).
     folder = {name: tmp_path_factory.mktemp(name) for name in ("hung", "rows3", "rows4")}
     checker.digits()
     with ThreadPoolExecutor(max_workers=1) as waiting, ThreadPoolExecutor(max_workers=2) as busy:
@@ -576,7 +576,6 @@ def jobs(checker, convert_checker, tmp_path_factory):
             "hung": waiting.submit(check, folder["hung"], make_source=hung_solution, job_timeout_s=HUNG_JOB_LIMIT_S),
             "rows3": busy.submit(observe_lab3_rows, convert_checker, folder["rows3"]),
             "rows4": busy.submit(observe_lab4_rows, checker, convert_checker, folder["rows4"]),
-            "minimal": busy.submit(run_torchrun, minimal, [], nproc=2, timeout_s=MINIMAL_HANG_TIMEOUT_S, env=detail),
         }
         futures["unrescued"] = Judged(checker, futures["rows4"], "unrescued")
         futures["rows"] = Both(futures["rows3"], futures["rows4"])
@@ -986,19 +985,6 @@ def test_each_bug_alone_fails_its_check_and_only_it(checker, jobs, bug):
     assert re.match(BUG_EVIDENCE[bug], verdicts[number]), verdicts[number]
     others = {other: line for other, line in verdicts.items() if other != number}
     assert all(line.startswith("PASS ") for line in others.values()), others
-
-
-@pytest.mark.timeout(700)
-def test_detail_mode_names_each_ranks_collective_in_the_minimal_hang(jobs):
-    """The sheet's reproduction: with DETAIL both ranks stop at once, each naming its own collective."""
-    result = jobs["minimal"].result()
-    # Stopped by DETAIL's check, not by the 30 s timeout: a fact about the output, not the clock (on a
-    # loaded machine the start-up alone can take many seconds).
-    assert result.returncode == 1 and "Timed out" not in result.stdout + result.stderr, result.describe()
-    assert "the default group's gloo backend is a _ProcessGroupWrapper" in result.stdout
-    own_collective = re.compile(r"^\[rank (\d)\] Detected mismatch between collectives on ranks\. Rank \1 is running "
-                                r"collective: CollectiveFingerPrint\(SequenceNumber=2,? ?OpType=(\w+)", re.MULTILINE)
-    assert sorted(own_collective.findall(result.stdout)) == [("0", "ALLREDUCE"), ("1", "BARRIER")], result.stdout
 
 
 @pytest.mark.timeout(700)  # the file's last test: its job ends last, killed at HUNG_JOB_LIMIT_S
