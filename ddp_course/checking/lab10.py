@@ -175,9 +175,11 @@ def judge(runs: dict[str, Run], name: str, one_process: float | None) -> list[Ve
         ratio = speed_ratio(runs, name)
         effect = f"; {1 / ratio:.1f}x the reference's step time" if ratio else ""
         verdicts.update(signature_verdicts(run, ranks, job, effect))
-        if verdicts[1].status == "FAIL" and verdicts[6].status == "FAIL":
-            # Ranks whose threads fight for the cores get uneven CPU time whatever their work: measured
-            # 1.23 for two ranks doing the same work, near the limit. Balance is judged once threads pass.
+        if verdicts[1].status == "FAIL":
+            # Ranks whose threads fight for the cores get uneven CPU time whatever their work (1.23 measured
+            # for two ranks doing the same work), so the balance figure decides nothing either way: a PASS
+            # on it is as unfounded as a FAIL (the unfixed script, rank 0 evaluating every step, once
+            # measured under the limit). Balance is judged once threads pass.
             verdicts[6] = Verdict(CHECKS[6][0], "BLOCKED", f"decided once threads passes: {verdicts[6].evidence}", number=6)
         verdicts[7] = throughput_verdict(ratio, [v for v in verdicts.values() if v.status == "FAIL"])
     verdicts[8] = accuracy_verdict(runs.get(f"{name}-full"), one_process)
