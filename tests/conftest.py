@@ -2,6 +2,9 @@
 
 import contextlib
 import json
+import os
+import shutil
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -155,6 +158,31 @@ def pytest_collection_modifyitems(config, items):
         marker = marker_of(item.path)
         if marker is not None:
             item.add_marker(marker)
+
+
+# ---- Temporary files: the suite's processes leave theirs in one folder, which the session removes.
+# torchrun's agent leaves a torchelastic_* folder per launch, and a sheet's SheetJobs folder outlives its
+# kernel (nbval kills kernels, so no exit handler runs): thousands of folders in /tmp after a few runs.
+# Children inherit TMPDIR; this process keeps its own temporary folder (pytest's tmp_path stays where
+# pytest keeps it for inspection), which is why gettempdir() is read before TMPDIR changes.
+_SUITE_TMPDIR: dict[str, str] = {}
+
+
+def pytest_configure(config):
+    tempfile.gettempdir()  # fixes this process's own temporary folder before TMPDIR changes
+    _SUITE_TMPDIR["previous"] = os.environ.get("TMPDIR", "")
+    _SUITE_TMPDIR["folder"] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="ddp_course_suite_")
+
+
+def pytest_unconfigure(config):
+    folder = _SUITE_TMPDIR.pop("folder", None)
+    if folder is None:
+        return
+    if _SUITE_TMPDIR["previous"]:
+        os.environ["TMPDIR"] = _SUITE_TMPDIR["previous"]
+    else:
+        os.environ.pop("TMPDIR", None)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 class ProcessStartRefused(RuntimeError):
