@@ -9,7 +9,7 @@ What it grades, and from which file (yours; with --solutions, the course's):
   lectureN, optional  the "# Exercise N: ..." cells of lectures/NN_*.ipynb (solutions/NN_*_solutions.ipynb):
                       each cell runs after its solutions notebook's set-up cells, then the notebook's
                       own check (ddp_course/lectureNN_checks.py), whose verdict is the row
-  lab3                labs/my_ddp.py (solutions/my_ddp.py): the conversion checker's 13 checks
+  lab3                labs/my_ddp.py (solutions/my_ddp.py): the conversion checker's 13 checks, parts A and B
                       (python labs/lab3_convert_check.py; ddp_course/checking/conversion.py)
   lab4                my_lab4.py at the repository root (solutions/lab4_broken_ddp.py): lab 4's 7 checks
                       (python labs/lab4_check.py; ddp_course/checking/lab4.py). Check 4 (epoch-shuffle) counts only once check 1 (data-split)

@@ -6,8 +6,11 @@
   spellings are made from the solution's recorded runs without a launch. Each correct conversion
   in another style (CORRECT_VARIANTS, also edits of the solution) passes all thirteen, a hand-written
   wrapper without DDP fails check 4 alone, and numbers written for 2 ranks (a schedule's length, a
-  held-out slice, a printed loss divided by 2) fail their own checks on the checker's 3 ranks. The
-  observer records what DataLoader workers started by `spawn` (macOS's and Windows' default) deliver.
+  held-out slice, a printed loss divided by 2) fail their own checks on the checker's 3 ranks. Part A
+  alone (`--part A`, issue 38 section 2) is judged on the same runs: the solution passes it, a script
+  with part B's decisions left as the one-process script has them passes it and is told that five
+  checks wait for part B (one more pair of rows in lab 3's launch), and each part-A mistake fails it
+  on its own check. The observer records what DataLoader workers started by `spawn` (macOS's and Windows' default) deliver.
 - Lab 4's broken-DDP checker (ddp_course/checking/lab4.py) finds every planted bug from what the script does,
   and only that bug. The copies with one bug are made here from solutions/lab4_broken_ddp.py, with
   the same edits that turn it into labs/lab4_broken_ddp.py, so the exercise, the solution and these
@@ -218,6 +221,17 @@ CORRECT_VARIANTS = {
         ('        dist.init_process_group("gloo", timeout=TIMEOUT)', "        dist.init_process_group()"),
     ],
 }  # fmt: skip
+# Part A done, part B left as the one-process script has it (issue 38, section 2): every backward all-reduces
+# (no no_sync()), each rank keeps its own BatchNorm statistics, every rank saves the checkpoint and loads it
+# without map_location; clipping stays where the one-process script clips. `--part A` must PASS its eight
+# checks and say that the other five wait for part B; all thirteen fail part B's own checks.
+PART_B_ONE_PROCESS_STYLE = [
+    ("            with nullcontext() if last_of_step else ddp_model.no_sync():", "            with nullcontext():"),
+    ("        for buffer in model.buffers():\n            dist.broadcast(buffer, src=0)\n", ""),
+    ("        if args.save and rank == 0:\n            # DDP: one writer", "        if args.save:\n            # DDP: one writer"),
+    ("torch.load(args.save, map_location=device, weights_only=True)", "torch.load(args.save, weights_only=True)"),
+]  # fmt: skip
+
 # A script that trains no DDP model: a hand-written wrapper that sums the ranks' gradients and never divides
 # (lab 6 has the learner write such wrappers). Check 4 FAILs with that one reason; the grader fails lab 3.
 HAND_WRITTEN_WRAPPER = [
@@ -477,7 +491,8 @@ def observe_lab3_rows(convert_checker, folder) -> dict:
     the checker runs its job: the solution, then each mistake, each twice (NAME straight, NAME-resumed from a copy
     of its checkpoint of epoch 1), with lab 3's flags and OBSERVER_ENV (every step recorded)."""
     rows = conversion_rows(convert_checker, "lab3-solution", CONVERT_SOLUTION)
-    edited = {**{name: edits for name, (_, edits) in MISTAKES.items()}, **CORRECT_VARIANTS, "hand-written-wrapper": HAND_WRITTEN_WRAPPER}
+    edited = {**{name: edits for name, (_, edits) in MISTAKES.items()}, **CORRECT_VARIANTS, "hand-written-wrapper": HAND_WRITTEN_WRAPPER,
+              "part-b-one-process-style": PART_B_ONE_PROCESS_STYLE}
     for name, edits in edited.items():
         script = folder / name / "my_ddp.py"
         script.parent.mkdir()
@@ -622,8 +637,8 @@ def test_my_ddp_solution_passes_all_thirteen_checks(convert_checker, conversion,
     """The learner's command on the solution, `python labs/lab3_convert_check.py solutions/my_ddp.py`: its
     main() in this process, on the solution's two rows (observe() would have launched the same two runs
     alone: the rows launch runs them with the same functions, lab4.observe_runs and lab4.run_job)."""
-    def check(script, out_dir, job_timeout_s):
-        assert script == CONVERT_SOLUTION.resolve() and job_timeout_s == convert_checker.JOB_TIMEOUT_S
+    def check(script, out_dir, job_timeout_s, part):
+        assert script == CONVERT_SOLUTION.resolve() and job_timeout_s == convert_checker.JOB_TIMEOUT_S and part == "B"
         return conversion("lab3-solution")
 
     monkeypatch.setattr(convert_checker, "check", check)
@@ -802,6 +817,61 @@ def test_each_correct_variant_passes_all_thirteen_checks(conversion, variant):
     assert text in verdicts[number], verdicts[number]
 
 
+PART_A_MISTAKES = sorted(name for name, (number, _) in MISTAKES.items() if number in (1, 2, 3, 4, 6, 7, 9, 11))
+
+
+def judged_part_a(convert_checker, jobs, name) -> dict[int, str]:
+    """{check: 'STATUS evidence'} of a conversion's two rows judged as `--part A` judges them (part A's eight checks)."""
+    rows = jobs["rows3"].result()
+    verdicts = convert_checker.judge(rows[name], rows[f"{name}-resumed"], part="A")
+    return verdict_lines("\n".join(verdict.line() for verdict in verdicts), convert_checker.PART_A_CHECKS)
+
+
+def test_the_parts_split_the_thirteen_checks(convert_checker):
+    parts = (convert_checker.PART_A_CHECKS, convert_checker.PART_B_CHECKS)
+    assert sorted(parts[0] + parts[1]) == sorted(convert_checker.CHECKS) and not set(parts[0]) & set(parts[1])
+    assert sorted(convert_checker.WAITS_FOR) == sorted(parts[1])
+
+
+@pytest.mark.timeout(700)
+def test_part_a_passes_the_solution_and_a_script_with_part_b_left_one_process_style(convert_checker, conversion, jobs, monkeypatch, capsys):
+    """`--part A` on the solution: 8 PASS. On a script whose part-B decisions are still the one-process
+    script's (PART_B_ONE_PROCESS_STYLE): 8 PASS, its held-out accuracy judged with each rank's own BatchNorm
+    statistics, and a WAITS line naming part B's place for each other check; judged whole (part B), the
+    same rows fail part B's checks only, and check 6 is BLOCKED by check 13."""
+    assert all(line.startswith("PASS ") for line in judged_part_a(convert_checker, jobs, "lab3-solution").values())
+    part_a = judged_part_a(convert_checker, jobs, "part-b-one-process-style")
+    assert all(line.startswith("PASS ") for line in part_a.values()), part_a
+    assert "each rank's scored with its own BatchNorm statistics: which ones score the job is part B's (check 13)" in part_a[6], part_a[6]
+    whole = judged_conversion(conversion, "part-b-one-process-style")[2]
+    failed = sorted(number for number, line in whole.items() if line.startswith("FAIL "))
+    assert failed == [5, 10, 12, 13], whole
+    assert whole[6].startswith("BLOCKED the ranks scored with different BatchNorm statistics (check 13)"), whole[6]
+
+    rows = jobs["rows3"].result()
+    pair = rows["part-b-one-process-style"], rows["part-b-one-process-style-resumed"]
+    monkeypatch.setattr(convert_checker, "check", lambda script, out_dir, job_timeout_s, part: (pair, convert_checker.judge(*pair, part=part)))
+    status = convert_checker.main(["--part", "A", str(CONVERT_SOLUTION)])
+    output = capsys.readouterr().out
+    assert status == 0, output
+    assert "lab 3 conversion checker, part A (8 of its 13 checks):" in output
+    assert verdict_lines(output, convert_checker.PART_A_CHECKS)  # each part-A check once, PASS
+    for number in convert_checker.PART_B_CHECKS:
+        name = convert_checker.CHECKS[number][0]
+        assert re.search(rf"^ ?{number} {name} +WAITS +for part B \(lecture 6 section 9\): .*, taught in (lecture|lab) \d", output, re.MULTILINE), output
+    assert "result: 8 passed, 0 failed, 0 blocked of 8 checks of part A; 5 checks wait for part B (lecture 6 section 9)" in output
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("mistake", PART_A_MISTAKES)
+def test_part_a_fails_each_part_a_mistake_on_its_own_check(convert_checker, jobs, mistake):
+    """A part-A mistake FAILs its check under `--part A` too, with the same evidence as when all thirteen are judged."""
+    number = MISTAKES[mistake][0]
+    verdicts = judged_part_a(convert_checker, jobs, mistake)
+    assert re.match(MISTAKE_EVIDENCE[mistake], verdicts[number]), verdicts[number]
+    assert [n for n, line in verdicts.items() if line.startswith("FAIL ")] == [number], verdicts
+
+
 def test_there_is_a_planted_mistake_for_every_check(convert_checker):
     assert sorted({number for number, _ in MISTAKES.values()}) == list(CONVERT_CHECKS) == sorted(convert_checker.CHECKS)
     assert len(MISTAKES) >= 12
@@ -824,7 +894,7 @@ def test_each_row_runs_with_its_own_checkers_observer_settings(checker, convert_
             # epoch, and then has no step to run (seen once). That race is check 5's finding, not the observer's.
             continue
         # "spawn": lab 3's settings in a row of lab 4's launch, after lab 4's rows
-        lab3 = str(name).removesuffix("-resumed") in [*MISTAKES, *CORRECT_VARIANTS, "hand-written-wrapper", "lab3-solution", "unconverted", "spawn"]
+        lab3 = str(name).removesuffix("-resumed") in [*MISTAKES, *CORRECT_VARIANTS, "hand-written-wrapper", "part-b-one-process-style", "lab3-solution", "unconverted", "spawn"]
         for rank in observation.ranks:
             steps = sum(event["kind"] == "step" for event in observation.events[rank])
             recorded = len(list(observation.out_dir.glob(f"step-r{rank}-*.pt")))
@@ -1049,7 +1119,7 @@ def test_the_sheets_stored_checker_runs_are_what_the_checker_prints(convert_chec
     import os
 
     row, shown = REFERENCE_RUNS[name]
-    monkeypatch.setattr(convert_checker, "check", lambda script, out_dir, job_timeout_s: conversion(row))
+    monkeypatch.setattr(convert_checker, "check", lambda script, out_dir, job_timeout_s, part: conversion(row))
     status = convert_checker.main([shown if name.endswith("pass.txt") else str(CONVERT_SOLUTION)])
     output = capsys.readouterr().out.replace(str(CONVERT_SOLUTION), shown)
     assert status == (0 if name.endswith("pass.txt") else 1), output

@@ -208,7 +208,7 @@ def test_every_reference_names_a_section_that_exists(notebooks):
         "the device (lecture 4 §1.4)",  # the checklist's old row 2: lecture 4 has 1.1 and 1.2 only
         "no parameters after wrapping: lecture 4, section 2.8",
         "see [lecture 4](04_ddp_internals.ipynb), section 9",
-        "the leaves marked L6 §9",
+        "the leaves marked L6 §10",  # lecture 6 ends with section 9
         "lecture 1 §2-11",  # a range whose end is gone
         "lecture 4 §1.2 and §5.9",  # the second of a list
         "Lecture 5 measures what overlap and buckets are worth",  # split into 5a and 5b
@@ -244,8 +244,8 @@ def test_a_sound_reference_is_not_reported(notebooks, sound):
 def test_a_bare_section_is_read_against_its_own_notebook(notebooks):
     own = notebooks["lecture 6"]
     assert broken_references("the interval (section 7.2's model)", "cell", notebooks, own) == []
-    assert broken_references("the interval (section 9's model)", "cell", notebooks, own) == [
-        "cell:1: 'section 9': lecture 6 has no section 9"
+    assert broken_references("the interval (section 10's model)", "cell", notebooks, own) == [
+        "cell:1: 'section 10': lecture 6 has no section 10"
     ]
     # A named reference is read against the notebook it names, not against its own.
     assert broken_references("lecture 4, section 2.7", "cell", notebooks, own) == []
