@@ -1,5 +1,5 @@
 """The lab sheets' self-checks (ddp_course/self_check.py): one Question per core lab sheet, asked at the end
-of its `## Summary [core]` section. Labs 1 and 2 became deep dives as a whole (issue 38) and keep theirs,
+of its `## Summary [core]` section. Labs 1, 2, 7 and 9 became deep dives as a whole (issue 38) and keep theirs,
 asked at the end of their Check your understanding sections, since it reads deep-dive sections. The lectures keep
 theirs in their own lectureNN_checks.py; the labs have no such module, so theirs live here, one block
 per lab in route order.

@@ -515,7 +515,7 @@ def test_a_crash_rank_outside_the_job_fails_with_one_line(rank, tmp_path, monkey
     assert not (tmp_path / "c").exists()  # refused before any checkpoint
 
 
-# --- the sheet's self-check (labs/lab7_fault_tolerance.ipynb, Summary): the steps a restart recomputes ---------
+# --- the sheet's self-check (labs/lab7_fault_tolerance.ipynb, section 8): the steps a restart recomputes -----
 
 
 def steps_recomputed(checkpoint_every, crash_after, max_steps):

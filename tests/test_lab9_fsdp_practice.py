@@ -332,7 +332,7 @@ def test_an_allocator_that_cannot_count_every_thread_is_refused_in_one_line(lab9
         sharding.track_every_thread()
 
 
-# --- the sheet's self-check (labs/lab9_fsdp_practice.ipynb, Summary): fully_shard's bytes on 8 ranks -----------
+# --- the sheet's self-check (labs/lab9_fsdp_practice.ipynb, section 9): fully_shard's bytes on 8 ranks -------
 
 
 def test_the_self_check_predicts_fully_shards_ring_bytes_on_8_ranks():

@@ -449,7 +449,7 @@ def notebook_title(course: Course, path: str) -> str:
 
 
 def deep_dive_steps(readme: str) -> set[str]:
-    """Route steps the syllabus marks as a whole deep dive ("(deep dive" in the row: labs 1, 2, 6, 8 and 10)."""
+    """Route steps the syllabus marks as a whole deep dive ("(deep dive" in the row: labs 1, 2, 6, 7, 8, 9 and 10)."""
     rows = re.findall(r"^\| \d+ \| ((?:lecture|lab) \d+\w?) \|(.*)$", readme, flags=re.MULTILINE)
     return {name for name, rest in rows if "(deep dive" in rest}
 
