@@ -25,8 +25,8 @@ Shares computed from CPU time do not depend on how busy the machine is (other pr
 clock, not the work); the wall-clock split is what a profiler shows. Lab 10's checker
 (ddp_course/checking/lab10.py) reads these records; `draw(ax, records)` draws a few steps as a figure.
 Limits: one DDP model per script; a script that registers a communication hook of its own gets it
-wrapped by the counting one; on GPUs (written, not run on a GPU) the CPU times say little, since the
-GPU computes asynchronously.
+wrapped by the counting one; BatchNorm is seen through its modules, not in a bare F.batch_norm call;
+on GPUs (written, not run on a GPU) the CPU times say little, since the GPU computes asynchronously.
 """
 
 from __future__ import annotations
