@@ -108,7 +108,9 @@ def usable_cores() -> int:'''),
         """    # Fix 9: each BatchNorm layer normalises with the statistics of the batch it is given, on each rank
     # alone: here a whole micro-batch of --batch-size images. The broken script cut every micro-batch
     # into 8 for less memory (same global batch, 8 times the micro-batches), so BatchNorm saw 2 images
-    # at a time: noisy statistics in training, poor running averages for evaluation.
+    # at a time: noisy statistics in training, poor running averages for evaluation. On CPU, where
+    # SyncBatchNorm raises, enough images per rank is the fix (or GroupNorm/LayerNorm, which use no
+    # batch statistics); a bigger batch per rank would be a bigger global batch, for fix 7 to scale to.
 """,
         """    # The same global batch in micro-batches 8 times smaller, 8 times as many: 8 times less activation memory.
     args.batch_size, args.accum_steps = args.batch_size // 8, args.accum_steps * 8
