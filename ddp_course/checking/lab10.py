@@ -227,7 +227,7 @@ def signature_verdicts(run: Run, ranks, job: dict, effect: str) -> dict[int, Ver
     return {
         1: verdict(1, threads * local <= cores, f"{threads} threads per rank x {local} ranks on {cores} cores", effect),
         2: verdict(2, data <= MAX_DATA_SHARE, f"producing each batch took {data:.0%} of a step's CPU time (at most {MAX_DATA_SHARE:.0%})", effect),
-        3: verdict(3, rounds <= MAX_ROUNDS_PER_STEP, f"{rounds:g} all-reduce round(s) per optimizer step of 2 micro-batches ({calls} calls, {megabytes:.2f} MB per step)", effect),
+        3: verdict(3, rounds <= MAX_ROUNDS_PER_STEP, f"{rounds:g} all-reduce round(s) per optimizer step, with --accum-steps 2 ({calls} calls, {megabytes:.2f} MB per step)", effect),
         4: verdict(4, buckets <= MAX_BUCKETS, f"{buckets} bucket(s) per all-reduce round for {megabytes / max(rounds, 1):.2f} MB of gradients (at most {MAX_BUCKETS})", effect),
         5: verdict(5, not (searching and unused == 0),
                    "the wrapper searched for unused parameters after every forward and found none" if searching and unused == 0
