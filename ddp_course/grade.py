@@ -15,9 +15,10 @@ What it grades, and from which file (yours; with --solutions, the course's):
                       (python labs/lab4_check.py; ddp_course/checking/lab4.py). Check 4 (epoch-shuffle) counts only once check 1 (data-split)
                       passes: without a DistributedSampler the DataLoader's own shuffle hides bug 4, so the
                       broken script passes it
-  lab10               my_lab10.py at the repository root (solutions/lab10_slow_ddp.py): lab 10's 9 checks
+  lab10               my_lab10.py at the repository root (solutions/lab10_slow_ddp.py): lab 10's 10 checks
                       (labs/lab10_check.py). Throughput (check 7) is BLOCKED while a check about one
-                      cause of slowness fails; the time-out check adds an 8 s save
+                      cause fails, accuracy (check 8) while batch-norm (check 10) fails; the time-out
+                      check adds an 8 s save
   lab6                labs/minddp.py (solutions/minddp.py): each part's wrapper against one process and
                       torch's DDP (labs/lab6_ddp_from_scratch.py --module labs --repeats 0 --zero)
   lab8                labs/minifsdp.py (solutions/minifsdp.py): labs/lab8_fsdp.py --part K through its

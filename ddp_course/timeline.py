@@ -17,14 +17,16 @@ table of the job's steps and the shares of their time. What it records per optim
 - compute: the remainder (forward, backward, optimizer, and anything else the script does);
 - all-reduce calls and bytes, and which of DDP's buckets they carried (a counting communication
   hook: DDP's own all-reduce, called through torch's `allreduce_hook`); the threads the rank runs;
-  whether the wrapper searches for unused parameters, and how many it found.
+  whether the wrapper searches for unused parameters, and how many it found;
+- the smallest batch a BatchNorm layer normalised in training mode: the samples its statistics
+  came from, on this rank alone.
 
 Shares computed from CPU time do not depend on how busy the machine is (other programs slow the wall
 clock, not the work); the wall-clock split is what a profiler shows. Lab 10's checker
 (ddp_course/checking/lab10.py) reads these records; `draw(ax, records)` draws a few steps as a figure.
 Limits: one DDP model per script; a script that registers a communication hook of its own gets it
-wrapped by the counting one; on GPUs (written, not run on a GPU) the CPU times say little, since the
-GPU computes asynchronously.
+wrapped by the counting one; BatchNorm is seen through its modules, not in a bare F.batch_norm call;
+on GPUs (written, not run on a GPU) the CPU times say little, since the GPU computes asynchronously.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data.dataloader import _BaseDataLoaderIter
@@ -66,7 +70,7 @@ class Recorder:
     def _open_step(self) -> None:
         self.current = {"start": time.time(), "cpu_start": time.process_time(), "data_wall_s": 0.0, "data_cpu_s": 0.0,
                         "blocked_s": 0.0, "ready_at": None, "allreduce_calls": 0, "allreduce_bytes": 0, "buckets": [],
-                        "samples": 0}  # fmt: skip
+                        "samples": 0, "batch_norm_min_batch": None}  # fmt: skip
 
     def batch_loaded(self, wall_s: float, cpu_s: float, batch) -> None:
         self.current["data_wall_s"] += wall_s
@@ -74,6 +78,10 @@ class Recorder:
         first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
         if isinstance(first, torch.Tensor) and first.dim() > 0 and torch.is_grad_enabled():
             self.current["samples"] += first.shape[0]
+
+    def batch_normalised(self, samples: int) -> None:
+        smallest = self.current["batch_norm_min_batch"]
+        self.current["batch_norm_min_batch"] = samples if smallest is None else min(smallest, samples)
 
     def bucket_ready(self, index: int, nbytes: int) -> None:
         self.current["allreduce_calls"] += 1
@@ -172,6 +180,14 @@ def install() -> None:
                 CURRENT.recorder.backward_blocked(max(0.0, (time.perf_counter() - wall) - (time.thread_time() - cpu)))
 
     torch.Tensor.backward = backward
+
+    def batch_norm_input(module, inputs):
+        # In training mode a BatchNorm layer (SyncBatchNorm included) takes its statistics from this
+        # batch; in eval mode from its running averages, so only training-mode calls count.
+        if CURRENT.recorder is not None and module.training and isinstance(module, _BatchNorm) and inputs and inputs[0].dim() > 0:
+            CURRENT.recorder.batch_normalised(inputs[0].shape[0])
+
+    register_module_forward_pre_hook(batch_norm_input)
     register_optimizer_step_post_hook(lambda optimizer, args, kwargs: CURRENT.recorder and CURRENT.recorder.optimizer_stepped())
     original_init_group = dist.init_process_group
 
@@ -302,6 +318,8 @@ def summarize(records: dict[int, dict]) -> dict:
             "samples_per_step": median(s["samples"] for s in steps),
             "find_unused_parameters": any(s.get("find_unused_parameters") for s in steps),
             "unused_parameter_bytes": max((s.get("unused_parameter_bytes", 0) for s in steps), default=0),
+            # Every step counts here, warm-up included: one step of tiny batches is already too many.
+            "batch_norm_min_batch": min((s["batch_norm_min_batch"] for s in record["steps"] if s.get("batch_norm_min_batch")), default=None),
         }  # fmt: skip
     job = {}
     if per_rank:

@@ -12,7 +12,7 @@ what one process reached. What it is meant to do:
   writes the weights, and the job survives a slow save (--slow-storage-s pretends storage is slow)
   while its --timeout-s stays short enough to catch a real hang in seconds.
 
-It has eight faults of the kind that cost teams GPU-weeks. Measure before you change anything (the
+It has nine faults of the kind that cost teams GPU-weeks. Measure before you change anything (the
 lab sheet, labs/lab10_no_faster.ipynb: the timeline of ddp_course.timeline, lab 5's communication
 fraction), fix them in a copy, and check your copy:
 
@@ -20,7 +20,7 @@ fraction), fix them in a copy, and check your copy:
     python labs/lab10_check.py my_lab10.py      # one line per check; exit status 0 = all fixed
 
 The checker judges what the script does (threads, data wait, all-reduces, buckets, balance between
-ranks, speed against the course's reference, accuracy, a slow save), never how it is written.
+ranks, speed against the course's reference, accuracy, a slow save, the batches BatchNorm sees), never how it is written.
 Launch from the repository root:
 
     laptop, 2 CPU processes (gloo):  torchrun --standalone --nproc_per_node=2 labs/lab10_slow_ddp.py
@@ -142,7 +142,9 @@ def save_checkpoint(model, args, ctx) -> None:
 def train(ctx, args) -> dict:
     splits = load_digits()
     seed_everything(args.seed)  # same seed on every rank: identical initial weights
-    model = DigitsCNN(splits.num_classes).to(ctx.device)
+    model = DigitsCNN(splits.num_classes, batch_norm=True).to(ctx.device)
+    # The same global batch in micro-batches 8 times smaller, 8 times as many: 8 times less activation memory.
+    args.batch_size, args.accum_steps = args.batch_size // 8, args.accum_steps * 8
     ddp_model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
                     find_unused_parameters=True,
                     bucket_cap_mb=0.01)  # small buckets: communication starts sooner in backward

@@ -1,4 +1,4 @@
-"""Lab 10, fixed: the training script of labs/lab10_slow_ddp.py with its eight faults removed.
+"""Lab 10, fixed: the training script of labs/lab10_slow_ddp.py with its nine faults removed.
 
 Each fix carries a comment "fix N" that says what was wrong and why the new line is right; the lab
 sheet (labs/lab10_no_faster.ipynb) shows how each one was found from measurements first.
@@ -122,7 +122,13 @@ def save_checkpoint(model, args, ctx, checkpoint_group) -> None:
 def train(ctx, args) -> dict:
     splits = load_digits()
     seed_everything(args.seed)  # same seed on every rank: identical initial weights
-    model = DigitsCNN(splits.num_classes).to(ctx.device)
+    model = DigitsCNN(splits.num_classes, batch_norm=True).to(ctx.device)
+    # Fix 9: each BatchNorm layer normalises with the statistics of the batch it is given, on each rank
+    # alone: here a whole micro-batch of --batch-size images. The broken script cut every micro-batch
+    # into 8 for less memory (same global batch, 8 times the micro-batches), so BatchNorm saw 2 images
+    # at a time: noisy statistics in training, poor running averages for evaluation. On CPU, where
+    # SyncBatchNorm raises, enough images per rank is the fix (or GroupNorm/LayerNorm, which use no
+    # batch statistics); a bigger batch per rank would be a bigger global batch, for fix 7 to scale to.
     # Fix 4: DDP's own bucket size (bucket_cap_mb=None), not 0.01 MB: the 0.6 MB of gradients go in
     # one all-reduce instead of paying gloo's per-call latency once per tiny bucket.
     # Fix 5: no find_unused_parameters: every parameter gets a gradient in every step, so the search

@@ -1,4 +1,4 @@
-"""Lab 10: the broken script is the solution plus eight planted faults, and the checker finds each one.
+"""Lab 10: the broken script is the solution plus nine planted faults, and the checker finds each one.
 
 The proof the checker needs: the solution passes every check; each planted fault alone, added to the
 solution, fails its own check and no other; the unfixed script fails every check it can decide; and a
@@ -31,7 +31,8 @@ import lab10_faults as faults  # noqa: E402
 pytestmark = pytest.mark.timeout(1200)
 LAUNCH_TIMEOUT_S = 1000
 NAMES = {number: name for number, (name, _) in checker.CHECKS.items()}
-THROUGHPUT, ACCURACY, TIMEOUT = 7, 8, 9
+THROUGHPUT, ACCURACY, TIMEOUT, BATCH_NORM = 7, 8, 9, 10
+FULL_TRAINING = ["learning-rate", "batch-norm"]  # the faults that change the training maths
 VARIANTS = ["solution", *faults.FAULTS, "extra-work"]  # run in the shared launch (every full run)
 
 
@@ -45,7 +46,7 @@ def verdicts(tmp_path_factory):
     scripts = {name: scripts[name] for name in VARIANTS}
     # Full training where the accuracy can differ from the solution's: the other faults change how
     # fast the same arithmetic runs, not the arithmetic (test_the_other_faults_keep_the_training_maths).
-    shared = checker.plan_runs(folder, scripts, full_of=["solution", "learning-rate"], timeout_of=["solution"], references_between=4)
+    shared = checker.plan_runs(folder, scripts, full_of=["solution", *FULL_TRAINING], timeout_of=["solution"], references_between=4)
     timeout_fault = [checker.timeout_case(folder, "timeout", scripts["timeout"])]
     unfixed = checker.plan_runs(folder, {"unfixed": faults.BROKEN}, full_of=["unfixed"], timeout_of=["unfixed"])
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -92,7 +93,12 @@ def test_each_fault_alone_fails_its_own_check_and_no_other(verdicts, fault):
         if check == NAMES[THROUGHPUT] and own in [NAMES[n] for n in checker.SIGNATURES]:
             # the fault's own signature explains a slowdown: throughput waits for it
             assert status == "BLOCKED", report(verdicts[fault])
-        elif (check == NAMES[TIMEOUT] and fault != "timeout") or (check == NAMES[ACCURACY] and fault != "learning-rate"):
+        elif check in (NAMES[ACCURACY], NAMES[2]) and own == NAMES[BATCH_NORM]:
+            # batches too small for BatchNorm cost accuracy too, and dilute the data share of the step:
+            # the accuracy and data-wait checks wait for batch-norm
+            evidence = next(v.evidence for v in verdicts[fault] if v.check == check)
+            assert status == "BLOCKED" and evidence.startswith("decided once batch-norm passes"), report(verdicts[fault])
+        elif (check == NAMES[TIMEOUT] and fault != "timeout") or (check == NAMES[ACCURACY] and fault not in FULL_TRAINING):
             assert status == "BLOCKED" and "not run" in next(v.evidence for v in verdicts[fault] if v.check == check)
         elif check == NAMES[6] and own == NAMES[1]:
             # oversubscribed ranks' CPU times decide no balance, either way: it waits for threads
@@ -112,7 +118,13 @@ def test_the_unfixed_script_passes_no_check(verdicts):
     assert found[NAMES[THROUGHPUT]] == "BLOCKED"  # every signature already fails
     # rank-balance waits for threads: oversubscribed ranks get uneven CPU time whatever their work
     assert found[NAMES[6]] == "BLOCKED", report(verdicts["unfixed"])
-    assert all(status == "FAIL" for check, status in found.items() if check not in (NAMES[THROUGHPUT], NAMES[6])), report(verdicts["unfixed"])
+    # accuracy waits for batch-norm: with batches too small for BatchNorm, no learning rate decides it
+    assert found[NAMES[ACCURACY]] == "BLOCKED", report(verdicts["unfixed"])
+    # a data share under the limit waits for batch-norm too (measured 0.17: 16 micro-batches of 2 images
+    # each pay an all-reduce and an unused-parameter search); one over it fails
+    assert found[NAMES[2]] in ("FAIL", "BLOCKED"), report(verdicts["unfixed"])
+    waiting = (NAMES[2], NAMES[THROUGHPUT], NAMES[6], NAMES[ACCURACY])
+    assert all(status == "FAIL" for check, status in found.items() if check not in waiting), report(verdicts["unfixed"])
 
 
 def test_a_failed_time_out_case_says_which_rank_timed_out(verdicts):
@@ -123,6 +135,16 @@ def test_a_failed_time_out_case_says_which_rank_timed_out(verdicts):
 def test_a_failing_signature_prints_its_effect(verdicts):
     data = next(v for v in verdicts["data"] if v.check == "data-wait")
     assert "x the reference's step time" in data.evidence and "hint" in data.line()
+
+
+def test_the_batch_norm_fault_prints_its_cost_in_accuracy(verdicts):
+    """Its own check counts images (2 per BatchNorm batch against the solution's 16); the full training
+    beside it shows what that costs: held-out accuracy far below one process's (27 points, measured)."""
+    found = {v.check: v for v in verdicts["batch-norm"]}
+    assert "2 images per rank" in found[NAMES[BATCH_NORM]].evidence, found[NAMES[BATCH_NORM]].line()
+    drop = int(found[NAMES[BATCH_NORM]].evidence.split("held-out accuracy ")[1].split(" points")[0])
+    assert drop > 100 * checker.MAX_ACCURACY_DROP, found[NAMES[BATCH_NORM]].line()
+    assert "16 images per rank" in next(v.evidence for v in verdicts["solution"] if v.check == NAMES[BATCH_NORM])
 
 
 def test_the_broken_script_is_the_solution_with_every_fault():
@@ -137,15 +159,17 @@ def test_the_other_faults_leave_the_save_path_alone():
 
 
 def test_the_other_faults_keep_the_training_maths():
-    """Check 8 (accuracy) is run on the solution, the learning-rate fault and the unfixed script only: no
-    other fault changes a line that sets the learning rate or computes the loss (the others reorganise
-    the same arithmetic: where the images are standardized, when gradients are all-reduced)."""
+    """Check 8 (accuracy) is run on the solution, the learning-rate and batch-norm faults and the unfixed
+    script only: no other fault changes a line that sets the learning rate, computes the loss or splits
+    the batch (the others reorganise the same arithmetic: where the images are standardized, when
+    gradients are all-reduced)."""
 
     def maths(text):
-        return sorted(line.strip() for line in text.splitlines() if any(word in line for word in ("lr", "learning_rate", "cross_entropy")))
+        words = ("lr", "learning_rate", "cross_entropy", "args.batch_size", "args.accum_steps")
+        return sorted(line.strip() for line in text.splitlines() if any(word in line for word in words))
 
     for name, (_, edits) in faults.FAULTS.items():
-        if name != "learning-rate":
+        if name not in FULL_TRAINING:
             assert all(maths(old) == maths(new) for old, new in edits), name
 
 
