@@ -28,8 +28,7 @@ CELLS = {
     "communication_calculator(millions_of_parameters=124.4, world_size=8)",
     "lecture 5b memory": "from ddp_course.calculators import memory_calculator\nmemory_calculator()",
     "lecture 5a step time": "from ddp_course.calculators import step_time_calculator\nstep_time_calculator()",
-    "lecture 6 waste": "from ddp_course.lecture06_checks import waste_calculator\n"
-    "waste_calculator(checkpoint_s=60, mtbf_h=24, restart_s=300)",
+    "lecture 6 waste": "from ddp_course.lecture06_checks import waste_calculator\nwaste_calculator(checkpoint_s=60, mtbf_h=24, restart_s=300)",
 }
 
 

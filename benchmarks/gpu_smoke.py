@@ -110,8 +110,10 @@ def lab8_figure(out: Path) -> str:
     failed = sorted(impl for impl, record in records.items() if not record["passed"])
     if failed:
         raise KeyFigureError(f"check failed for {', '.join(failed)}")
-    return (f"{len(records)}/{len(records)} impls match one process; model state vs DDP: fsdp {records['fsdp']['state_vs_ddp']:.2f}, "
-            f"fully_shard {records['fully_shard']['state_vs_ddp']:.2f}")
+    return (
+        f"{len(records)}/{len(records)} impls match one process; model state vs DDP: fsdp {records['fsdp']['state_vs_ddp']:.2f}, "
+        f"fully_shard {records['fully_shard']['state_vs_ddp']:.2f}"
+    )
 
 
 def lab9_figure(out: Path) -> str:
@@ -208,8 +210,10 @@ def lecture7_figure(out: Path) -> str:
     ddp, fsdp = report["memory"][f"ddp/{n}"][0], report["memory"][f"fsdp/{n}"][0]
     if not (report["checkpoint"]["equal_on_4"] and report["checkpoint"]["equal_on_1"]):
         raise KeyFigureError("the DCP checkpoint reloaded different weights")
-    return (f"{n} ranks: fully_shard holds {fsdp['held']['total'] / ddp['held']['total']:.2f}x DDP's bytes, "
-            f"sends {fsdp['wire'] / ddp['wire']:.2f}x; DCP 2 -> {n} ranks and -> 1 process equal")
+    return (
+        f"{n} ranks: fully_shard holds {fsdp['held']['total'] / ddp['held']['total']:.2f}x DDP's bytes, "
+        f"sends {fsdp['wire'] / ddp['wire']:.2f}x; DCP 2 -> {n} ranks and -> 1 process equal"
+    )
 
 
 @dataclass(frozen=True)
@@ -393,12 +397,14 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown lab(s) {', '.join(unknown)}; the table has {', '.join(lab.name for lab in LAB_RUNS)}")
 
-    print(f"gpu_smoke: {gpus} GPU(s) ({torch.cuda.get_device_name(0)}), torch {torch.__version__}, NCCL, {gpus} rank(s) per lab "
-          "(the CPU-only lecture scripts: 2 gloo ranks)", flush=True)
+    print(
+        f"gpu_smoke: {gpus} GPU(s) ({torch.cuda.get_device_name(0)}), torch {torch.__version__}, NCCL, {gpus} rank(s) per lab "
+        "(the CPU-only lecture scripts: 2 gloo ranks)",
+        flush=True,
+    )
     pinned = pinned_torch_range()
     if pinned and not torch.__version__.startswith(pinned[0]):
-        print(f"note: requirements.txt pins torch {pinned[1]}; on torch {torch.__version__} a row that uses a newer API fails",
-              flush=True)
+        print(f"note: requirements.txt pins torch {pinned[1]}; on torch {torch.__version__} a row that uses a newer API fails", flush=True)
     root = args.keep or Path(tempfile.mkdtemp(prefix="gpu_smoke_"))
     outcomes = []
     for lab in (lab for lab in LAB_RUNS if lab.name in names):

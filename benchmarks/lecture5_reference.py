@@ -80,8 +80,13 @@ def main(argv=None) -> int:
         comm_bound["profile"]["steps_profiled"] = profiled_steps(Path(scratch) / "comm_bound" / "traces")
         resnet = run_job(RESNET_JOB, Path(scratch) / "resnet18")
     record = {
-        "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "torch": torch.__version__},  # fmt: skip
+        "machine": {
+            "cpu": cpu_model(),
+            "logical_cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },  # fmt: skip
         "recorded_utc": started.strftime("%Y-%m-%d %H:%M"),
         "command": "python benchmarks/lecture5_reference.py",
         "jobs": {"comm_bound": " ".join(COMM_BOUND_JOB), "resnet18": " ".join(RESNET_JOB)},

@@ -88,8 +88,10 @@ def main() -> int:
         results = verdicts(records)  # the targets are the default job's
         if 2 in args.ranks:  # the same FSDP, one message per weight matrix: what grouping buys (shown, no target)
             records += run_job(2, args, Path(folder), impls=("fsdp", "fully_shard"), fsdp_units="matrices")
-    print(f"load average (1, 5, 15 min) at the start {load_at_start[0]:.2f}, {load_at_start[1]:.2f}, {load_at_start[2]:.2f}; "
-          f"at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"load average (1, 5, 15 min) at the start {load_at_start[0]:.2f}, {load_at_start[1]:.2f}, {load_at_start[2]:.2f}; "
+        f"at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     print(table(records))
     for text, met in results:
         print(f"{'met   ' if met else 'MISSED'}  {text}")

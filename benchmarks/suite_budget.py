@@ -52,8 +52,7 @@ def report(suite_seconds: float, main_job_seconds: list[float]) -> str:
     verdict = "within" if ratio <= SUITE_BUDGET_RUNS else "OVER"
     timings = ", ".join(f"{seconds:.1f}" for seconds in main_job_seconds)
     return (
-        f"suite {suite_seconds:.0f} s = {ratio:.0f} runs of the main job (median {median:.1f} s of {timings}): "
-        f"{verdict} the budget of {SUITE_BUDGET_RUNS} runs"
+        f"suite {suite_seconds:.0f} s = {ratio:.0f} runs of the main job (median {median:.1f} s of {timings}): {verdict} the budget of {SUITE_BUDGET_RUNS} runs"
     )
 
 

@@ -92,10 +92,11 @@ def summarize_log(path: Path) -> int:
         print(f"{script:<32} {len(runs):>8}  {non_zero:>8}  {sum(r['timed_out'] for r in runs):>9}  {aborts:>14}")
     aborted = [r for r in records if r["aborted_at_exit"]]
     signalled = [r for r in records if r["killed_by_signal"] and not r["aborted_at_exit"]]
-    print(f"{len(records)} launches, {len(aborted)} aborted at exit"
-          + "".join(f"\n  aborted at exit: {r['script']} ({r['launched_by']})" for r in aborted)
-          + "".join(f"\n  a rank killed by a signal (check that the test expects it): {r['script']} ({r['launched_by']})"
-                    for r in signalled))
+    print(
+        f"{len(records)} launches, {len(aborted)} aborted at exit"
+        + "".join(f"\n  aborted at exit: {r['script']} ({r['launched_by']})" for r in aborted)
+        + "".join(f"\n  a rank killed by a signal (check that the test expects it): {r['script']} ({r['launched_by']})" for r in signalled)
+    )
     return 1 if aborted else 0
 
 
@@ -129,8 +130,11 @@ def main() -> int:
             failures[kind.name] += 1
             aborts[kind.name] += result.aborted_at_exit
             (root / f"{kind.name}-{number}.txt").write_text(result.describe())
-            print(f"launch {number + 1}: {kind.name} exit {result.returncode}"
-                  f"{' (abort at exit)' if result.aborted_at_exit else ''} -> {root}/{kind.name}-{number}.txt", flush=True)
+            print(
+                f"launch {number + 1}: {kind.name} exit {result.returncode}"
+                f"{' (abort at exit)' if result.aborted_at_exit else ''} -> {root}/{kind.name}-{number}.txt",
+                flush=True,
+            )
 
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         list(pool.map(one, range(args.runs)))
@@ -139,8 +143,10 @@ def main() -> int:
     for kind in kinds:
         print(f"{kind.name:<24} {launches[kind.name]:>8}  {failures[kind.name]:>8}  {aborts[kind.name]:>14}")
     total_failures = sum(failures.values())
-    print(f"{total_failures} of {args.runs} launches exited non-zero ({sum(aborts.values())} aborts at exit), "
-          f"{args.parallel} at a time, {time.perf_counter() - started:.0f} s")
+    print(
+        f"{total_failures} of {args.runs} launches exited non-zero ({sum(aborts.values())} aborts at exit), "
+        f"{args.parallel} at a time, {time.perf_counter() - started:.0f} s"
+    )
     return 1 if total_failures else 0
 
 

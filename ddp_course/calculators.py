@@ -86,8 +86,9 @@ def step_time(parameters, flops_per_step, gpus_per_node, nodes, link_name="400 G
     return {"compute_s": compute_s, "allreduce_s": ring_s, "exposed_s": exposed_s, "step_s": step_s, "efficiency": compute_s / step_s}
 
 
-def memory_breakdown(parameters, batch, activation_bytes_per_sample, optimizer="Adam", amp=False, checkpoint_segments=0,
-                     layers=24, zero1_ranks=1, bucket_view=False):
+def memory_breakdown(
+    parameters, batch, activation_bytes_per_sample, optimizer="Adam", amp=False, checkpoint_segments=0, layers=24, zero1_ranks=1, bucket_view=False
+):
     """Bytes one DDP rank holds, term by term (lecture 5b, section 3; fp32 weights, gradients and state).
 
     activation_bytes_per_sample: what autograd saves for backward per sample in fp32, for `layers`
@@ -112,6 +113,7 @@ def memory_breakdown(parameters, batch, activation_bytes_per_sample, optimizer="
 
 
 # --- figures: the static one before each calculator and the calculator's own are drawn by these ---
+
 
 def draw_step_bars(ax, predictions):
     """Stacked bars, one per {label: step_time(...)}: compute, then the exposed all-reduce (ms)."""
@@ -142,6 +144,7 @@ def draw_memory_bars(ax, breakdowns, memory_bytes=H100_MEMORY_BYTES):
 
 
 # --- calculators: sliders -> the formula -> a text line and the figure, in an Output widget ---
+
 
 def _show(output, text, draw):
     """Replace output's content with a line of text and a figure drawn by draw(ax)."""
@@ -193,8 +196,10 @@ def step_time_calculator():
     def render(**values):
         t = step_time(**values)
         gpus = values["gpus_per_node"] * values["nodes"]
-        text = (f"{gpus} GPUs: compute {t['compute_s'] * 1e3:.2f} ms + exposed all-reduce {t['exposed_s'] * 1e3:.2f} ms"
-                f" (of {t['allreduce_s'] * 1e3:.2f} ms) = step {t['step_s'] * 1e3:.2f} ms; efficiency {t['efficiency']:.0%}")
+        text = (
+            f"{gpus} GPUs: compute {t['compute_s'] * 1e3:.2f} ms + exposed all-reduce {t['exposed_s'] * 1e3:.2f} ms"
+            f" (of {t['allreduce_s'] * 1e3:.2f} ms) = step {t['step_s'] * 1e3:.2f} ms; efficiency {t['efficiency']:.0%}"
+        )
         return text, lambda ax: draw_step_bars(ax, {f"{gpus} GPUs": t})
 
     return _calculator(controls, render)
@@ -208,8 +213,7 @@ def memory_calculator():
     controls = {
         "parameters": widgets.FloatLogSlider(value=1.5e9, base=10, min=7, max=11, description="parameters P", style=style),
         "batch": widgets.IntSlider(value=32, min=1, max=256, description="per-rank batch B", style=style),
-        "activation_bytes_per_sample": widgets.FloatLogSlider(value=2e9, base=10, min=6, max=11, description="activation bytes per sample",
-                                                              style=style),
+        "activation_bytes_per_sample": widgets.FloatLogSlider(value=2e9, base=10, min=6, max=11, description="activation bytes per sample", style=style),
         "optimizer": widgets.Dropdown(options=list(OPTIMIZER_STATE_BYTES), value="Adam", description="optimizer", style=style),
         "amp": widgets.Checkbox(value=False, description="AMP (16-bit activations)", style=style),
         "checkpoint_segments": widgets.IntSlider(value=0, min=0, max=48, description="checkpoint segments (0: off)", style=style),
@@ -222,8 +226,11 @@ def memory_calculator():
         terms = memory_breakdown(**values)
         total = sum(terms.values())
         verdict = "fits" if total <= H100_MEMORY_BYTES else "does NOT fit"
-        text = f"{total / 1e9:.1f} GB per rank: {verdict} in an 80 GB H100 (" + ", ".join(
-            f"{name} {size / 1e9:.1f}" for name, size in terms.items() if size) + " GB)"
+        text = (
+            f"{total / 1e9:.1f} GB per rank: {verdict} in an 80 GB H100 ("
+            + ", ".join(f"{name} {size / 1e9:.1f}" for name, size in terms.items() if size)
+            + " GB)"
+        )
         return text, lambda ax: draw_memory_bars(ax, {"this set-up": terms})
 
     return _calculator(controls, render)

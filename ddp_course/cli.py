@@ -61,17 +61,17 @@ def positive_float(text: str) -> float:
 
 
 def int_list(text: str) -> list[int]:
-    """"1,2,4" -> [1, 2, 4], each a positive integer (for sweeps over world sizes)."""
+    """ "1,2,4" -> [1, 2, 4], each a positive integer (for sweeps over world sizes)."""
     return [positive_int(part) for part in text.split(",")]
 
 
 def float_list(text: str) -> list[float]:
-    """"1,25,100" -> [1.0, 25.0, 100.0], each a positive number."""
+    """ "1,25,100" -> [1.0, 25.0, 100.0], each a positive number."""
     return [positive_float(part) for part in text.split(",")]
 
 
 def name_list(text: str) -> list[str]:
-    """"a,b" -> ["a", "b"]; empty names are refused."""
+    """ "a,b" -> ["a", "b"]; empty names are refused."""
     names = [part.strip() for part in text.split(",")]
     if not all(names):
         raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")

@@ -138,7 +138,7 @@ def _cifar10_missing_message(root: Path, found: list[bool], download_error: str 
     """The one line every rank raises; built from facts every rank shares, so it is the same everywhere."""
     advice = (
         f"On a machine with internet run: python -c \"import torchvision; torchvision.datasets.CIFAR10('{root}', "
-        f"download=True)\", then copy {root}/cifar-10-batches-py into --data-dir on every node"
+        f'download=True)", then copy {root}/cifar-10-batches-py into --data-dir on every node'
     )
     if any(found):
         missing = [rank for rank, has_it in enumerate(found) if not has_it]
@@ -193,9 +193,7 @@ def _cifar10_from_disk(root: Path) -> DatasetSplits:
     from torchvision import datasets, transforms
 
     normalize = transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)
-    augment = transforms.Compose(
-        [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize]
-    )
+    augment = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize])
     plain = transforms.Compose([transforms.ToTensor(), normalize])
     return DatasetSplits(
         name="cifar10",

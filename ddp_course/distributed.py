@@ -110,10 +110,7 @@ def choose_backend(requested: str, local_world_size: int) -> str:
         return "nccl"
     if gpus:
         # Two NCCL ranks on one GPU fail with "Duplicate GPU detected"; say why we fall back.
-        log(
-            f"note: {local_world_size} processes on this node but only {gpus} GPU(s); NCCL needs "
-            f"one GPU per process, so this run uses gloo on the CPU"
-        )
+        log(f"note: {local_world_size} processes on this node but only {gpus} GPU(s); NCCL needs one GPU per process, so this run uses gloo on the CPU")
     return "gloo"
 
 
@@ -150,8 +147,10 @@ class GroupJoinError(CourseError):
 
 def join_failure(rank: int, backend: str, error: Exception) -> GroupJoinError:
     """One line (the error's first) instead of a traceback; written at once on ranks other than 0."""
-    message = (f"rank {rank} could not join the {backend} process group: {type(error).__name__}: {first_line(str(error))} "
-               "(multi-node: python -m ddp_course.cluster.multinode OUTPUT_FILES names the cause from every node's output)")
+    message = (
+        f"rank {rank} could not join the {backend} process group: {type(error).__name__}: {first_line(str(error))} "
+        "(multi-node: python -m ddp_course.cluster.multinode OUTPUT_FILES names the cause from every node's output)"
+    )
     if rank != 0:
         _write_line(sys.stderr, f"{os.path.basename(sys.argv[0])}: error: {message}")
     return GroupJoinError(message)

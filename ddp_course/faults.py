@@ -121,8 +121,12 @@ def run_plain_ranks(command: list, world_size_by_rank: dict, timeout_s: float = 
     port = free_port()
     with ThreadPoolExecutor(max_workers=len(world_size_by_rank)) as pool:
         jobs = {
-            rank: pool.submit(run_command, command, timeout_s=timeout_s, env={
-                "RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            rank: pool.submit(
+                run_command,
+                command,
+                timeout_s=timeout_s,
+                env={"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+            )
             for rank, world_size in world_size_by_rank.items()
         }
         return {rank: job.result() for rank, job in jobs.items()}

@@ -141,7 +141,7 @@ def graded_lectures(lectures: list[tuple[str, Path, Path]], root: Path = REPO_RO
         output, problem = expired.stdout or "", f"the lecture exercises did not finish within {timeout_s:g} s"
     if isinstance(output, bytes):
         output = output.decode()
-    rows = [Row.of(**json.loads(line[len("ROW "):])) for line in output.splitlines() if line.startswith("ROW ")]
+    rows = [Row.of(**json.loads(line[len("ROW ") :])) for line in output.splitlines() if line.startswith("ROW ")]
     graded = {row.exercise for row in rows}
     for name, _, solved in lectures:  # a lecture the worker never reached
         if name not in graded:
@@ -250,6 +250,7 @@ def checker_rows(exercise: str, verdicts, names: dict[int, tuple]) -> list[Row]:
 def lab3_rows(sources: Sources, check=None) -> list[Row]:
     """The conversion checker on labs/my_ddp.py; check(script, out_dir) -> (observations, verdicts) (tests pass their own)."""
     from ddp_course.checking import conversion as checker
+
     script = sources.lab3()
     gpu = gpu_row("lab3", "the script on GPUs (NCCL, cuda:LOCAL_RANK)", script)
     if not script.is_file():
@@ -268,6 +269,7 @@ DEPENDS_ON = {
 
 def lab4_rows(sources: Sources, check=None) -> list[Row]:
     from ddp_course.checking import lab4 as checker
+
     script = sources.lab4()
     if not script.is_file():
         reason = f"no {display(script, sources)} yet: cp labs/lab4_broken_ddp.py my_lab4.py, then fix it (lab 4 sheet, section 6)"
@@ -434,8 +436,7 @@ EXERCISES = ("lectures", "lab3", "lab4", "lab6", "lab8", "lab10")
 
 def grade(sources: Sources, only=None, graders=None) -> list[Row]:
     """Every row, in the order of EXERCISES; only: names from EXERCISES or lectureN; graders: tests replace some."""
-    graders = {"lectures": lecture_rows, "lab3": lab3_rows, "lab4": lab4_rows, "lab6": lab6_rows, "lab8": lab8_rows,
-               "lab10": lab10_rows, **(graders or {})}
+    graders = {"lectures": lecture_rows, "lab3": lab3_rows, "lab4": lab4_rows, "lab6": lab6_rows, "lab8": lab8_rows, "lab10": lab10_rows, **(graders or {})}
     rows = []
     for name in EXERCISES:
         wanted = not only or name in only or (name == "lectures" and any(o.startswith("lecture") or o == "optional" for o in only))

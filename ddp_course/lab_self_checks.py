@@ -29,8 +29,7 @@ LAB1_SELF_CHECK = Question(
     name="self-check",
     expected="all_reduce_max",
     why="the maximum of 100.5 and 200 is still rank 1's 200: the corrupted value changes no result",
-    hint="reread section 2 (what each collective returns) and section 3: for each check, does any rank's"
-    " result depend on rank 0's first value?",
+    hint="reread section 2 (what each collective returns) and section 3: for each check, does any rank's result depend on rank 0's first value?",
 )
 
 # --- lab 2: the sampler -----------------------------------------------------------------------------

@@ -142,10 +142,21 @@ def plot_learning_curves(metrics: dict, single_curve: list[dict]) -> None:
 
     ddp_curve = metrics["history"]
     fig, (ax_loss, ax_accuracy) = plt.subplots(1, 2, figsize=(9, 3.2))
-    ax_loss.semilogy([e["step"] for e in single_curve], [e["train_loss"] for e in single_curve], lw=4, alpha=0.4,
-                     color="tab:orange", label=f"1 process x {metrics['global_batch_size']}")
-    ax_loss.semilogy([e["step"] for e in ddp_curve], [e["train_loss"] for e in ddp_curve], marker=".", color="tab:blue",
-                     label=f"DDP: {metrics['world_size']} ranks x {metrics['per_rank_batch_size']}")
+    ax_loss.semilogy(
+        [e["step"] for e in single_curve],
+        [e["train_loss"] for e in single_curve],
+        lw=4,
+        alpha=0.4,
+        color="tab:orange",
+        label=f"1 process x {metrics['global_batch_size']}",
+    )
+    ax_loss.semilogy(
+        [e["step"] for e in ddp_curve],
+        [e["train_loss"] for e in ddp_curve],
+        marker=".",
+        color="tab:blue",
+        label=f"DDP: {metrics['world_size']} ranks x {metrics['per_rank_batch_size']}",
+    )
     ax_loss.set(xlabel="optimizer step", ylabel="train loss (job-wide, per 2 steps)", title="same global batch, same curve")
     ax_loss.legend()
     epochs = metrics["epochs"]
@@ -165,8 +176,12 @@ def configuration_sizes(configs: dict) -> dict[str, dict]:
     for name, config in configs.items():
         parameters = sum(p.numel() for p in build_model(config.model).parameters())
         flops = train_flops_per_sample(config.model, config.input_shape)
-        sizes[name] = {"parameters": parameters, "gradient_mb": parameters * 4 / 1e6, "train_gflop_per_sample": flops / 1e9,
-                       "flop_per_gradient_byte": flops / (parameters * 4)}
+        sizes[name] = {
+            "parameters": parameters,
+            "gradient_mb": parameters * 4 / 1e6,
+            "train_gflop_per_sample": flops / 1e9,
+            "flop_per_gradient_byte": flops / (parameters * 4),
+        }
     return sizes
 
 
@@ -194,8 +209,9 @@ def plot_weak_scaling(records: list[dict], targets=(0.85, 0.6)) -> None:
         throughput_axes.plot(sizes, [r["samples_per_s"] for r in points], "o-", color=colour, label=config)
         throughput_axes.plot(sizes, [n * points[0]["samples_per_s"] for n in sizes], ":", color=colour)
         efficiency_axes.bar([f"{config}\nN={sizes[-1]}"], [points[-1]["weak_scaling_efficiency"]], color=colour)
-    throughput_axes.set(xlabel="ranks", ylabel="samples / s (dotted: ideal)", xticks=sorted({r["world_size"] for r in records}),
-                        title="throughput, reference run")
+    throughput_axes.set(
+        xlabel="ranks", ylabel="samples / s (dotted: ideal)", xticks=sorted({r["world_size"] for r in records}), title="throughput, reference run"
+    )
     throughput_axes.legend()
     for target, style in zip(targets, ("--", ":")):
         efficiency_axes.axhline(target, color="grey", ls=style, lw=1)

@@ -129,9 +129,7 @@ def start_in_background(script: str | Path, args=(), nproc: int = 2, timeout_s: 
     return future
 
 
-def run_command(
-    command: list[str], timeout_s: float = 120, threads_per_rank: int | None = 1, env=None, cwd=None, use_gpus: bool = False
-) -> RunResult:
+def run_command(command: list[str], timeout_s: float = 120, threads_per_rank: int | None = 1, env=None, cwd=None, use_gpus: bool = False) -> RunResult:
     """Run a command in its own process group; on timeout kill the group (torchrun and its workers).
 
     threads_per_rank=None leaves OMP_NUM_THREADS as the caller's environment has it.
@@ -323,8 +321,7 @@ def _after(earlier: "Future | None", function, *args, **kwargs):
 
 def verdict_lines(stdout: str, leave_out: tuple[str, ...] = ()) -> list[str]:
     """The PASS / FAIL / SKIP lines of a lab's output, in order, without those that mention a leave_out word."""
-    return [line for line in stdout.splitlines()
-            if line[:4] in ("PASS", "FAIL", "SKIP") and not any(word in line for word in leave_out)]
+    return [line for line in stdout.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP") and not any(word in line for word in leave_out)]
 
 
 # --- reading what a job printed ------------------------------------------------------------------

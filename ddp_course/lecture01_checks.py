@@ -36,8 +36,7 @@ SELF_CHECK = Question(
     name="self-check",
     expected=0.4,
     why="the global batch k*N*B grows from 1*2*32 = 64 to 2*8*32 = 512, 8 times, so 0.05 x 8 = 0.4",
-    hint="reread section 8 (effective batch size and the learning rate): which batch does the rule scale with, "
-    "and what makes it up?",
+    hint="reread section 8 (effective batch size and the learning rate): which batch does the rule scale with, and what makes it up?",
 )
 
 # --- exercise checks ------------------------------------------------------------------------------
@@ -103,17 +102,23 @@ def check_exercise_1(accumulate_step) -> None:
         return
     ddp_gradient = torch.stack([torch.cat([p.grad.flatten() for p in r.parameters()]) for r in replicas]).mean(dim=0)
     if backward_calls != [2] * world_size:
-        print(f"exercise 1: not yet - backward() ran {backward_calls} times per rank: once per micro-batch, so that "
-              "only one micro-batch's activations live at a time")
+        print(
+            f"exercise 1: not yet - backward() ran {backward_calls} times per rank: once per micro-batch, so that "
+            "only one micro-batch's activations live at a time"
+        )
     elif torch.allclose(ddp_gradient, reference):
         print("exercise 1: correct")
     elif F.cosine_similarity(ddp_gradient, reference, dim=0) > 1 - 1e-9:  # the right direction, the wrong size
         scale = float(ddp_gradient.norm() / reference.norm())
-        print(f"exercise 1: not yet - the right direction, {scale:.3g} times the right size: which count divides, "
-              "and what does DDP's mean divide by (section 5.1)?")
+        print(
+            f"exercise 1: not yet - the right direction, {scale:.3g} times the right size: which count divides, "
+            "and what does DDP's mean divide by (section 5.1)?"
+        )
     else:
-        print("exercise 1: not yet - the tokens are not weighted equally: which count divides each micro-batch's "
-              "sum, and which ranks' tokens does it count (section 5.1)?")
+        print(
+            "exercise 1: not yet - the tokens are not weighted equally: which count divides each micro-batch's "
+            "sum, and which ranks' tokens does it count (section 5.1)?"
+        )
 
 
 def run_virtual_ranks(rank_function, per_rank_args, timeout_s=10):
@@ -174,9 +179,7 @@ def check_tensor_parallel_backward(rank_backward) -> None:
         return
     grads_x, grads_w1, grads_w2 = zip(*results)
     same_x = all(torch.allclose(g, reference_x) for g in grads_x)
-    same_weights = torch.allclose(torch.cat(grads_w1, dim=1), reference_w1) and torch.allclose(
-        torch.cat(grads_w2, dim=0), reference_w2
-    )
+    same_weights = torch.allclose(torch.cat(grads_w1, dim=1), reference_w1) and torch.allclose(torch.cat(grads_w2, dim=0), reference_w2)
     print("every rank's grad_x equals autograd's:", same_x)
     print("the ranks' weight-gradient shards, put together, equal autograd's:", same_weights)
     print(f"all-reduces in the backward pass: {len(calls)}, of shapes {calls}")
@@ -255,8 +258,12 @@ def draw_link_bars(ax, parameters, world_size, bytes_per_value=4):
     ax.bar_label(bars, labels=[f"{ms:,.3g} ms" for ms in times.values()])
     precision = {4: "float32", 2: "bf16"}.get(bytes_per_value, f"{bytes_per_value} bytes")
     sent_mb = ring_allreduce_bytes_per_gpu(parameters, bytes_per_value, world_size) / 1e6
-    ax.set(yscale="log", ylabel="ms per step (lower bound)", ylim=(min(times.values()) / 3, max(times.values()) * 5),
-           title=f"P = {parameters / 1e6:,.4g} M, N = {world_size}, {precision}: {sent_mb:,.4g} MB sent per GPU")
+    ax.set(
+        yscale="log",
+        ylabel="ms per step (lower bound)",
+        ylim=(min(times.values()) / 3, max(times.values()) * 5),
+        title=f"P = {parameters / 1e6:,.4g} M, N = {world_size}, {precision}: {sent_mb:,.4g} MB sent per GPU",
+    )
     return times
 
 

@@ -114,8 +114,7 @@ def check_exercise_3(halving_doubling_seconds) -> None:
     cases = [(1e6, 8, 5e-6, 25e9, 100e-6), (64e6, 4, 0.0, 32e9, 3e-3), (1e3, 1024, 2e-6, math.inf, 40e-6)]
     for n_bytes, world_size, alpha, beta, expected in cases:
         got = halving_doubling_seconds(n_bytes, world_size, alpha, beta)
-        assert math.isclose(got, expected), (f"{n_bytes:g} bytes, N={world_size}, alpha={alpha:g} s, "
-                                             f"beta={beta:g} B/s: expected {expected:g} s, got {got:g} s")
+        assert math.isclose(got, expected), f"{n_bytes:g} bytes, N={world_size}, alpha={alpha:g} s, beta={beta:g} B/s: expected {expected:g} s, got {got:g} s"
     assert halving_doubling_seconds(1e6, 1, ALPHA, BETA) == 0.0, "one rank sends nothing"
     for world_size in (2, 4, 8, 16, 64, 1024):
         for n_bytes in (1e3, 1e6, 1e9):

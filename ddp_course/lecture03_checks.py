@@ -28,8 +28,7 @@ SELF_CHECK = Question(
     expected=100 * 958 / 1438,  # 66.6 %
     why="LOCAL_RANK is 0-3 on every node, so only 4 of the 12 shards (4 x 120 = 480 samples) are read, each "
     "3 times: 958 of 1,438, about two thirds, are never read",
-    hint="reread section 4 (rank and world-size mismatches): which shards do the 12 processes ask for, and how "
-    "many of the 12 does nobody ask for?",
+    hint="reread section 4 (rank and world-size mismatches): which shards do the 12 processes ask for, and how many of the 12 does nobody ask for?",
 )
 
 
@@ -82,8 +81,14 @@ def check_exercise_2(resume_shard) -> None:
     ok = True
     # (n, seed, epoch, old world size, batch per rank, steps done, new world size); the last case stops
     # after the final (padded) step of the epoch: nothing is left to read
-    for n, seed, epoch, old, batch, steps, new in [(50, 5, 4, 3, 4, 3, 2), (50, 5, 4, 2, 4, 3, 3), (101, 0, 1, 3, 5, 4, 8),
-                                                     (37, 2, 0, 8, 2, 2, 3), (37, 2, 0, 4, 3, 1, 1), (20, 1, 3, 4, 2, 3, 2)]:
+    for n, seed, epoch, old, batch, steps, new in [
+        (50, 5, 4, 3, 4, 3, 2),
+        (50, 5, 4, 2, 4, 3, 3),
+        (101, 0, 1, 3, 5, 4, 8),
+        (37, 2, 0, 8, 2, 2, 3),
+        (37, 2, 0, 4, 3, 1, 1),
+        (20, 1, 3, 4, 2, 3, 2),
+    ]:
         dataset = TensorDataset(torch.arange(n))
         read_before = []  # what the old ranks' loaders delivered in the first `steps` steps
         for rank in range(old):
@@ -100,7 +105,7 @@ def check_exercise_2(resume_shard) -> None:
         one_process = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
         one_process.set_epoch(epoch)
         interleaved = [shard[j] for j in range(max(map(len, shards), default=0)) for shard in shards if j < len(shard)]
-        ok = ok and interleaved == list(one_process)[n - len(interleaved):]
+        ok = ok and interleaved == list(one_process)[n - len(interleaved) :]
     _verdict(2, ok)
 
 
@@ -113,8 +118,10 @@ def check_exercise_3(BlockDistributedSampler) -> None:  # noqa: N803 - the learn
     """DistributedSampler's guarantees, few files per rank, a plan that changes with the epoch and only with it."""
     n, block_size, world_size = 1000, 50, 4
     torch_shard = list(DistributedSampler(range(n), num_replicas=world_size, rank=0, shuffle=True, seed=0))
-    print(f"DistributedSampler, {n} samples in {n // block_size} files, {world_size} ranks: "
-          f"rank 0 opens {files_opened(torch_shard, block_size)} files for {len(torch_shard)} samples")
+    print(
+        f"DistributedSampler, {n} samples in {n // block_size} files, {world_size} ranks: "
+        f"rank 0 opens {files_opened(torch_shard, block_size)} files for {len(torch_shard)} samples"
+    )
     ok = True
     try:
         for n, block_size, world_size in [(1000, 50, 4), (1000, 50, 3), (360, 8, 8), (60, 20, 1), (64, 4, 5)]:

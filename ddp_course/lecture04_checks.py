@@ -26,8 +26,7 @@ SELF_CHECK = Question(
     expected=0.8,
     why="each rank's hook scales its own gradient to norm 1, (0.6, 0.8) and (-0.6, 0.8); DDP averages them to "
     "(0, 0.8): clipped by the wrong norm, and below max_norm",
-    hint="reread section 4.1 (where to clip): what does a parameter's hook see, and what does DDP do with "
-    "what the hook returns?",
+    hint="reread section 4.1 (where to clip): what does a parameter's hook see, and what does DDP do with what the hook returns?",
 )
 
 # ----------------------------------------------------------------------------- the bucket drawing
@@ -51,8 +50,9 @@ def draw_buckets(ax, buckets: list[list[str]], parameter_bytes: dict[str, int], 
     ax.set(xlim=(-gap / 2, left), ylim=(0, 1.35), yticks=[], title=title)
     ax.set_xlabel("KiB, buckets in launch order (bucket 0 first)", fontsize=8)
     layers = sorted({name.split(".")[0] for bucket in buckets for name in bucket})
-    ax.legend(handles=[_box(0, 0, 1, 1, color=_colour(layer), alpha=0.6, label=layer) for layer in layers],
-              fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    ax.legend(
+        handles=[_box(0, 0, 1, 1, color=_colour(layer), alpha=0.6, label=layer) for layer in layers], fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5)
+    )
 
 
 def _box(x, y, width, height, **style):
@@ -75,8 +75,12 @@ def overlap_table(rows_by_run: dict[str, list[dict]]) -> str:
 
     A cell shows a number when every rank and step agree, else the list of values, so nothing is hidden.
     """
-    columns = [("all_reduces", "all-reduces per step"), ("launched_before_compute_end", "launched during backward"),
-               ("started_before_backward_end", "started before backward() returned"), ("overlapped", "overlapped")]
+    columns = [
+        ("all_reduces", "all-reduces per step"),
+        ("launched_before_compute_end", "launched during backward"),
+        ("started_before_backward_end", "started before backward() returned"),
+        ("overlapped", "overlapped"),
+    ]
     header = f"{'all-reduce':10} | " + " | ".join(title for _, title in columns)
     lines = [header, "-" * len(header)]
     for run, rows in rows_by_run.items():
@@ -172,8 +176,7 @@ def check_exercise_1(launch_sequence) -> None:
         ready = [name for kind, name in log if kind == "ready"]
         mine = [tuple(event) for event in launch_sequence(buckets, ready)]
         if mine != log:
-            print(f"differs from real DDP (find_unused_parameters={find_unused}, bucket_cap_mb={cap}):\n"
-                  f"  DDP:  {log}\n  yours: {mine}")
+            print(f"differs from real DDP (find_unused_parameters={find_unused}, bucket_cap_mb={cap}):\n  DDP:  {log}\n  yours: {mine}")
             ok = False
     print("exercise 1: correct" if ok else "exercise 1: not yet")
 
@@ -342,8 +345,7 @@ def _problems(device, arguments, expected_device, expected_backend, env) -> list
     if arguments.get("init_method", "env://") != "env://":
         problems.append("init_method: torchrun's rendezvous is read with env://")
     if arguments.get("rank") != int(env["RANK"]) or arguments.get("world_size") != int(env["WORLD_SIZE"]):
-        problems.append(f"rank/world_size {arguments.get('rank')!r}/{arguments.get('world_size')!r}: the job-wide "
-                        "RANK and WORLD_SIZE, as integers")
+        problems.append(f"rank/world_size {arguments.get('rank')!r}/{arguments.get('world_size')!r}: the job-wide RANK and WORLD_SIZE, as integers")
     if not isinstance(arguments.get("timeout"), timedelta):
         problems.append("no timeout (a datetime.timedelta): a missing rank would make the others wait 10-30 min")
     if expected_backend == "nccl" and arguments.get("device_id") != torch.device(expected_device):

@@ -38,14 +38,16 @@ def check_exercise_1(hierarchical_phases):
 
     def check():
         # Worked out by hand: (bytes, g, nodes, inside, between, buckets, expected seconds of the three phases).
-        cases = [(800e6, 8, 4, (0.0, 100e9), (0.0, 12.5e9), 1, (0.007, 0.012, 0.007)),  # 7/8 x 800 MB / 100 GB/s; 2 x 3/4 x 100 MB / 12.5 GB/s
-                 (80e6, 4, 2, (2e-6, 50e9), (1e-5, 10e9), 10, (0.00126, 0.0022, 0.00126)),  # 10 x 3 x 2 us + 1.2 ms; 10 x 2 x 10 us + 2 ms
-                 (80e6, 4, 1, (2e-6, 50e9), None, 10, (0.00126, 0.0, 0.00126))]  # one node: nothing crosses the network
+        cases = [
+            (800e6, 8, 4, (0.0, 100e9), (0.0, 12.5e9), 1, (0.007, 0.012, 0.007)),  # 7/8 x 800 MB / 100 GB/s; 2 x 3/4 x 100 MB / 12.5 GB/s
+            (80e6, 4, 2, (2e-6, 50e9), (1e-5, 10e9), 10, (0.00126, 0.0022, 0.00126)),  # 10 x 3 x 2 us + 1.2 ms; 10 x 2 x 10 us + 2 ms
+            (80e6, 4, 1, (2e-6, 50e9), None, 10, (0.00126, 0.0, 0.00126)),
+        ]  # one node: nothing crosses the network
         for n_bytes, g, nodes, inside, between, buckets, expected in cases:
             got = tuple(hierarchical_phases(n_bytes, g, nodes, inside, between, buckets))
             assert len(got) == 3 and all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15) for a, b in zip(got, expected)), (
-                f"{n_bytes:g} bytes, {g} GPUs x {nodes} nodes, inside {inside}, between {between}, {buckets} buckets:"
-                f" expected {expected}, got {got}")
+                f"{n_bytes:g} bytes, {g} GPUs x {nodes} nodes, inside {inside}, between {between}, {buckets} buckets: expected {expected}, got {got}"
+            )
         generator = torch.Generator().manual_seed(0)
         for _ in range(200):  # the three phases add up to section 2's allreduce_seconds
             n_bytes, alpha_in, alpha_net, net_gbs = (torch.rand(4, generator=generator) + 0.01).tolist()
@@ -54,12 +56,15 @@ def check_exercise_1(hierarchical_phases):
             phases = hierarchical_phases(n_bytes * 1e9, g, nodes, inside, between, buckets)
             total = allreduce_seconds(n_bytes * 1e9, g, nodes, inside, between, buckets)
             assert math.isclose(sum(phases), total, rel_tol=1e-9, abs_tol=1e-15), (
-                f"{n_bytes * 1e9:g} bytes, {g} GPUs x {nodes} nodes, {buckets} buckets: phases add up to {sum(phases):g} s,"
-                f" allreduce_seconds says {total:g} s")
+                f"{n_bytes * 1e9:g} bytes, {g} GPUs x {nodes} nodes, {buckets} buckets: phases add up to {sum(phases):g} s, allreduce_seconds says {total:g} s"
+            )
         n_bytes = 4 * gpt2_parameters()
         phases = hierarchical_phases(n_bytes, 8, 2, NVLINK, network_link("100 Gb/s per node", 8), math.ceil(n_bytes / BUCKET_BYTES))
-        return ["GPT-2 small, 2 nodes x 8, 100 Gb/s: reduce-scatter {:.2f} ms, across nodes {:.2f} ms, all-gather {:.2f} ms".format(
-            *(seconds * 1e3 for seconds in phases))]
+        return [
+            "GPT-2 small, 2 nodes x 8, 100 Gb/s: reduce-scatter {:.2f} ms, across nodes {:.2f} ms, all-gather {:.2f} ms".format(
+                *(seconds * 1e3 for seconds in phases)
+            )
+        ]
 
     print_verdict(1, "hierarchical_phases", check)
 

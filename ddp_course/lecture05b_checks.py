@@ -16,21 +16,24 @@ def check_exercise_1(largest_batch):
     GB = 1e9
 
     def check():
-        cases = [((80 * GB, 1e9, 0.1 * GB), {}, 600),  # 80 - 4 - 4 - 4 - 8 = 60 GB of activations
-                 ((80 * GB, 1e9, 0.1 * GB), {"bucket_view": True}, 640),  # no bucket copy
-                 ((80 * GB, 1e9, 0.1 * GB), {"optimizer": "momentum"}, 640),
-                 ((80 * GB, 1e9, 0.1 * GB), {"optimizer": "sgd", "bucket_view": True}, 720),
-                 ((80 * GB, 1e9, 0.1 * GB), {"zero1_ranks": 8}, 670),
-                 ((80 * GB, 1e9, 0.3 * GB), {}, 200),
-                 ((80 * GB, 1e9, 0.7 * GB), {}, 85),  # 60 / 0.7 = 85.7: whole samples only
-                 ((16 * GB, 1e9, 0.1 * GB), {}, 0)]  # the model's state alone does not fit
+        cases = [
+            ((80 * GB, 1e9, 0.1 * GB), {}, 600),  # 80 - 4 - 4 - 4 - 8 = 60 GB of activations
+            ((80 * GB, 1e9, 0.1 * GB), {"bucket_view": True}, 640),  # no bucket copy
+            ((80 * GB, 1e9, 0.1 * GB), {"optimizer": "momentum"}, 640),
+            ((80 * GB, 1e9, 0.1 * GB), {"optimizer": "sgd", "bucket_view": True}, 720),
+            ((80 * GB, 1e9, 0.1 * GB), {"zero1_ranks": 8}, 670),
+            ((80 * GB, 1e9, 0.3 * GB), {}, 200),
+            ((80 * GB, 1e9, 0.7 * GB), {}, 85),  # 60 / 0.7 = 85.7: whole samples only
+            ((16 * GB, 1e9, 0.1 * GB), {}, 0),
+        ]  # the model's state alone does not fit
         for arguments, options, expected in cases:
             got = largest_batch(*arguments, **options)
             assert got == expected, f"{arguments}, {options}: expected {expected}, got {got}"
         for memory_gb in range(20, 200, 7):  # more memory never means a smaller batch
             assert largest_batch((memory_gb + 7) * GB, 1e9, 0.1 * GB) >= largest_batch(memory_gb * GB, 1e9, 0.1 * GB), "not monotonic"
-        return [f"1 B parameters, Adam, 80 GB, ZeRO-1 over {ranks} rank(s): batch {largest_batch(80 * GB, 1e9, 0.1 * GB, zero1_ranks=ranks)}"
-                for ranks in (1, 8)]
+        return [
+            f"1 B parameters, Adam, 80 GB, ZeRO-1 over {ranks} rank(s): batch {largest_batch(80 * GB, 1e9, 0.1 * GB, zero1_ranks=ranks)}" for ranks in (1, 8)
+        ]
 
     print_verdict(1, "largest_batch", check)
 
@@ -43,7 +46,6 @@ SELF_CHECK = Question(
     name="self-check",
     expected=52,
     why="16P of weights, gradients and Adam state plus 4P of buckets, on every rank, and 32 samples' activations",
-    hint="reread section 3 (what one rank holds): which terms shrink as N grows, which DDP adds, and how many "
-    "samples does one rank hold?",
+    hint="reread section 3 (what one rank holds): which terms shrink as N grows, which DDP adds, and how many samples does one rank hold?",
     relative_tolerance=0.02,
 )

@@ -77,7 +77,9 @@ def waste_curve_facts(checkpoint_s: float, mtbf_s: float, restart_s: float) -> d
     """The numbers the figure and the calculator show: the three intervals and the waste at each."""
     young, daly, best = young_interval(checkpoint_s, mtbf_s), daly_interval(checkpoint_s, mtbf_s), best_interval(checkpoint_s, mtbf_s)
     return {
-        "young_s": young, "daly_s": daly, "best_s": best,
+        "young_s": young,
+        "daly_s": daly,
+        "best_s": best,
         "waste_at_young": waste_fraction(young, checkpoint_s, mtbf_s, restart_s),
         "waste_at_daly": waste_fraction(daly, checkpoint_s, mtbf_s, restart_s),
         "waste_at_best": waste_fraction(best, checkpoint_s, mtbf_s, restart_s),
@@ -87,9 +89,11 @@ def waste_curve_facts(checkpoint_s: float, mtbf_s: float, restart_s: float) -> d
 
 def describe(facts: dict) -> str:
     """One line per interval, minutes and percent: what the calculator prints under its curve."""
-    return (f"best interval {facts['best_s'] / 60:.1f} min (waste {facts['waste_at_best']:.1%}) | "
-            f"Young sqrt(2CM) {facts['young_s'] / 60:.1f} min ({facts['waste_at_young']:.1%}) | "
-            f"Daly {facts['daly_s'] / 60:.1f} min ({facts['waste_at_daly']:.1%}) | restarts alone R/M {facts['restart_share']:.1%}")
+    return (
+        f"best interval {facts['best_s'] / 60:.1f} min (waste {facts['waste_at_best']:.1%}) | "
+        f"Young sqrt(2CM) {facts['young_s'] / 60:.1f} min ({facts['waste_at_young']:.1%}) | "
+        f"Daly {facts['daly_s'] / 60:.1f} min ({facts['waste_at_daly']:.1%}) | restarts alone R/M {facts['restart_share']:.1%}"
+    )
 
 
 def draw_waste_curve(ax, checkpoint_s: float, mtbf_s: float, restart_s: float) -> dict:
@@ -102,8 +106,13 @@ def draw_waste_curve(ax, checkpoint_s: float, mtbf_s: float, restart_s: float) -
     ax.axvline(facts["young_s"] / 60, color="grey", linestyle=":", label=r"Young: $\sqrt{2CM}$")
     ax.plot([facts["best_s"] / 60], [100 * facts["waste_at_best"]], "o", color="black", label="exact optimum")
     top = min(100.0, max(20.0, 300 * facts["waste_at_best"]))
-    ax.set(xscale="log", xlabel=r"checkpoint interval $\tau$ (minutes)", ylabel="time wasted (%)", ylim=(0, top),
-           title=f"C = {checkpoint_s:.0f} s, M = {mtbf_s / 3600:.1f} h, R = {restart_s:.0f} s")
+    ax.set(
+        xscale="log",
+        xlabel=r"checkpoint interval $\tau$ (minutes)",
+        ylabel="time wasted (%)",
+        ylim=(0, top),
+        title=f"C = {checkpoint_s:.0f} s, M = {mtbf_s / 3600:.1f} h, R = {restart_s:.0f} s",
+    )
     ax.legend(fontsize=8)
     return facts
 
@@ -120,12 +129,11 @@ class WasteCalculator:
 
         style = {"description_width": "150px"}
         layout = widgets.Layout(width="520px")
-        self.checkpoint = widgets.FloatLogSlider(value=checkpoint_s, base=10, min=0, max=3.5, step=0.05,
-                                                 description="checkpoint cost C (s)", style=style, layout=layout)
-        self.mtbf = widgets.FloatLogSlider(value=mtbf_h, base=10, min=-1, max=3, step=0.05,
-                                           description="job MTBF M (hours)", style=style, layout=layout)
-        self.restart = widgets.FloatLogSlider(value=restart_s, base=10, min=0, max=3.5, step=0.05,
-                                              description="restart R (s)", style=style, layout=layout)
+        self.checkpoint = widgets.FloatLogSlider(
+            value=checkpoint_s, base=10, min=0, max=3.5, step=0.05, description="checkpoint cost C (s)", style=style, layout=layout
+        )
+        self.mtbf = widgets.FloatLogSlider(value=mtbf_h, base=10, min=-1, max=3, step=0.05, description="job MTBF M (hours)", style=style, layout=layout)
+        self.restart = widgets.FloatLogSlider(value=restart_s, base=10, min=0, max=3.5, step=0.05, description="restart R (s)", style=style, layout=layout)
         self.image = widgets.Image(format="png")
         self.summary = widgets.HTML()
         for slider in (self.checkpoint, self.mtbf, self.restart):
@@ -212,8 +220,7 @@ def check_exercise_2(checkpoint_every_steps) -> None:
 
     year = 365 * 24 * 3600.0
     # (step_s, checkpoint_s, node_mtbf_s, nodes, restart_s); the last: checkpoints almost as slow as failures
-    cases = [(1.0, 60.0, 5 * year, 2048, 300.0), (0.25, 20.0, 3 * year, 512, 120.0),
-             (2.0, 120.0, 5 * year, 16384, 600.0), (0.5, 900.0, year, 8192, 60.0)]
+    cases = [(1.0, 60.0, 5 * year, 2048, 300.0), (0.25, 20.0, 3 * year, 512, 120.0), (2.0, 120.0, 5 * year, 16384, 600.0), (0.5, 900.0, year, 8192, 60.0)]
     ok = True
     for case in cases:
         try:
@@ -223,8 +230,7 @@ def check_exercise_2(checkpoint_every_steps) -> None:
         steps = torch.arange(1, 200_000, dtype=torch.float64)
         best = int(steps[torch.argmin(_waste_per_step(steps, *case))])
         good = isinstance(k, int) and k >= 1 and float(_waste_per_step(k, *case)) <= 1.01 * float(_waste_per_step(best, *case))
-        print(f"  step {case[0]} s, checkpoint {case[1]:.0f} s, {case[3]} nodes: every {k} steps "
-              f"({'ok' if good else 'wastes too much'})")
+        print(f"  step {case[0]} s, checkpoint {case[1]:.0f} s, {case[3]} nodes: every {k} steps ({'ok' if good else 'wastes too much'})")
         ok = ok and good
     print("exercise 2:", "correct" if ok else "not yet")
 
@@ -240,8 +246,7 @@ def check_exercise_3(replica_fingerprint) -> None:
         base = replica_fingerprint(model)
     except NotImplementedError:
         return _not_solved(3, "replica_fingerprint")
-    variants = {name: copy.deepcopy(model) for name in
-                ("two weights swapped", "one weight one float32 step up", "two layers trade weights")}
+    variants = {name: copy.deepcopy(model) for name in ("two weights swapped", "one weight one float32 step up", "two layers trade weights")}
     w = variants["two weights swapped"][0].weight.data
     w[0, 0], w[3, 5] = w[3, 5].clone(), w[0, 0].clone()
     b = variants["one weight one float32 step up"][4].bias.data

@@ -69,8 +69,10 @@ def check_exercise_1(per_rank_bytes) -> None:
                     if not unpadded[term] - 1e-6 <= got[term] <= value + 1e-6:
                         problems.append(f"{stage}, {count:,} parameters on {world} ranks: {term} = {got[term]:,}, expected {value:,}")
         count, world = 39_312, 4
-        print("per rank, 39,312 parameters on 4 ranks (bytes):", ", ".join(
-            f"{stage} {sum(per_rank_bytes(count, world, stage).values()):,.0f}" for stage in ("ddp", "zero1", "zero2", "zero3")))
+        print(
+            "per rank, 39,312 parameters on 4 ranks (bytes):",
+            ", ".join(f"{stage} {sum(per_rank_bytes(count, world, stage).values()):,.0f}" for stage in ("ddp", "zero1", "zero2", "zero3")),
+        )
     except NotImplementedError:
         return _not_solved(1, "per_rank_bytes")
     _verdict(1, problems)
@@ -93,8 +95,7 @@ def check_exercise_2(fsdp_wire_bytes) -> None:
     try:
         for (world, reshard, dtype_bytes), measured in MEASURED_FSDP_WIRE_BYTES.items():
             got = fsdp_wire_bytes(DEMO_PARAMETER_BYTES, world, reshard, dtype_bytes)
-            print(f"  N={world}, reshard_after_forward={reshard}, {dtype_bytes}-byte compute dtype: "
-                  f"yours {got:,.0f}, measured {measured:,}")
+            print(f"  N={world}, reshard_after_forward={reshard}, {dtype_bytes}-byte compute dtype: yours {got:,.0f}, measured {measured:,}")
             if not math.isclose(got, measured, rel_tol=1e-9):
                 problems.append(f"N={world}, reshard_after_forward={reshard}, {dtype_bytes}-byte dtype: {got:,.0f} != {measured:,}")
         for args in ((1e9, 8, True, 2), (1e9, 64, False, 4), (1e6, 1, True, 4)):

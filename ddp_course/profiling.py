@@ -170,7 +170,7 @@ def collective_of(name: str) -> str | None:
     if name.startswith(("gloo:", "nccl:")):
         return name.split(":", 1)[1]
     if name.startswith("c10d::"):
-        op = name[len("c10d::"):].rstrip("_")
+        op = name[len("c10d::") :].rstrip("_")
         op = op.removesuffix("_coalesced")
         return {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter"}.get(op, op)
     match = _NCCL_KERNEL.match(name)
@@ -224,11 +224,11 @@ def read_trace(path: str | Path, rank: int | None = None, collective: str | None
 
     timelines = []
     for span in step_spans:
-        timeline = StepTimeline(rank, int(span.name[len(_STEP_PREFIX):]), span)
+        timeline = StepTimeline(rank, int(span.name[len(_STEP_PREFIX) :]), span)
         in_step = [e for e in events if span.start_us <= host_time(e) < span.end_us]
         for e in in_step:
             if e["name"].startswith(_PHASE_PREFIX) and e.get("cat") != "gpu_user_annotation":
-                timeline.phases[e["name"][len(_PHASE_PREFIX):]] = _span(e)
+                timeline.phases[e["name"][len(_PHASE_PREFIX) :]] = _span(e)
         wanted = (lambda e: collective_of(e["name"]) == collective) if collective else (lambda e: collective_of(e["name"]))
         timeline.launches = sorted((_span(e) for e in in_step if _is_launch(e) and wanted(e)), key=lambda s: s.start_us)
         timeline.communication = sorted((_span(e) for e in in_step if _is_work(e) and wanted(e)), key=lambda s: s.start_us)

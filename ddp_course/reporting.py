@@ -32,8 +32,7 @@ def plot_scaling(records: list[dict], path: str) -> None:
     # order rather than sorting values of two types.
     series = list(dict.fromkeys((r["config"], r["bucket_cap_mb"]) for r in records))
     for config, bucket_cap in series:
-        points = sorted(((r["world_size"], r) for r in records if (r["config"], r["bucket_cap_mb"]) == (config, bucket_cap)),
-                        key=lambda point: point[0])
+        points = sorted(((r["world_size"], r) for r in records if (r["config"], r["bucket_cap_mb"]) == (config, bucket_cap)), key=lambda point: point[0])
         sizes = [size for size, _ in points]
         label = config if len({cap for _, cap in series}) == 1 else f"{config}, {_bucket_label(bucket_cap)}"
         line = throughput_axes.plot(sizes, [r["samples_per_s"] for _, r in points], "o-", label=label)[0]

@@ -36,8 +36,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_course.char_lm_job import CHECK_LR, EPS_PER_STEP, deadline, global_batch, job_max, my_rows, new_model
 from ddp_course.distributed import log
 from ddp_course.sharding import (
-    SampledAlongside, SavedActivations, StepWatch, allocations, count_collectives, cuda_snapshot, optimizer_state_tensors,
-    predicted_peak, storage_bytes,
+    SampledAlongside,
+    SavedActivations,
+    StepWatch,
+    allocations,
+    count_collectives,
+    cuda_snapshot,
+    optimizer_state_tensors,
+    predicted_peak,
+    storage_bytes,
 )
 
 IMPLS = ("ddp", "zero1", "zero2", "fsdp", "fully_shard", "fully_shard_keep")
@@ -132,8 +139,10 @@ def check(args, ctx, tokens, modules) -> dict:
     sgd = functools.partial(make_optimizer, optimizer_cls=torch.optim.SGD, lr=CHECK_LR)
     single = weights_after(args, ctx, tokens, Trained("single process", args, ctx, modules, sgd("single process", modules)))
     tolerance = EPS_PER_STEP * args.check_steps * torch.finfo(torch.float32).eps * float(single.abs().max())
-    log(f"check: {args.check_steps} SGD steps, {ctx.world_size} shards of {args.batch_size} windows vs one process on all "
-        f"{args.batch_size * ctx.world_size}; tolerance {tolerance:.2g} ({EPS_PER_STEP} x steps x float32 eps x max|w|)")
+    log(
+        f"check: {args.check_steps} SGD steps, {ctx.world_size} shards of {args.batch_size} windows vs one process on all "
+        f"{args.batch_size * ctx.world_size}; tolerance {tolerance:.2g} ({EPS_PER_STEP} x steps x float32 eps x max|w|)"
+    )
     results = {}
     for impl in ["no sync"] + args.impls:
         with deadline(args.case_timeout_s, f"{impl:<16} the check"):
@@ -222,9 +231,14 @@ def memory_timeline(impl: str, ctx, modules: dict, tokens, seed: int = 0, snapsh
     dist.all_reduce(counted, op=dist.ReduceOp.MAX)  # the same phases on every rank (the same graph): the fullest
     measured = torch.tensor(allocator.at_samples, dtype=torch.float64, device=ctx.device)
     dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-    return {"labels": [label for label, _ in watch.samples], "bytes": counted.long().tolist(),
-            "measured_bytes": measured.long().tolist(), "measured_peak_bytes": int(job_max(allocator.peak, ctx)),
-            "ring_model_bytes_per_step": counter.ring_model_bytes_per_rank(ctx.world_size), "messages_per_step": len(counter.calls)}
+    return {
+        "labels": [label for label, _ in watch.samples],
+        "bytes": counted.long().tolist(),
+        "measured_bytes": measured.long().tolist(),
+        "measured_peak_bytes": int(job_max(allocator.peak, ctx)),
+        "ring_model_bytes_per_step": counter.ring_model_bytes_per_rank(ctx.world_size),
+        "messages_per_step": len(counter.calls),
+    }
 
 
 def counted_step(impl: str, trained: Trained, watch: StepWatch, saved: SavedActivations, inputs, targets) -> None:
@@ -266,10 +280,20 @@ def judge_peaks(impl: str, timeline: dict, labels: list[str], sizes: dict, world
     counted_ok = abs(counted / predicted - 1) <= COUNTED_TOLERANCE
     low, high = MEASURED_TOLERANCE
     measured_ok = low <= (measured - predicted) / sizes["weights"] <= high
-    log(f"memory {impl:<16} predicted {predicted / MIB:6.2f} MiB; counted {counted / MIB:6.2f} MiB ({counted / predicted:.3f}x) "
+    log(
+        f"memory {impl:<16} predicted {predicted / MIB:6.2f} MiB; counted {counted / MIB:6.2f} MiB ({counted / predicted:.3f}x) "
         f"at {labels[totals.index(counted)]:<22} measured by the allocator {measured / MIB:6.2f} MiB "
-        f"({(measured - predicted) / sizes['weights']:+.2f} W)   {'PASS' if counted_ok and measured_ok else 'FAIL'}")
-    return {**timeline, "activations_after_forward": activations, "predicted_peak_bytes": predicted,
-            "counted_peak_bytes": counted, "counted_peak_at": labels[totals.index(counted)], "counted_vs_predicted": counted / predicted,
-            "measured_minus_predicted_in_w": (measured - predicted) / sizes["weights"],
-            "counted_passed": counted_ok, "measured_passed": measured_ok, "passed": counted_ok and measured_ok}
+        f"({(measured - predicted) / sizes['weights']:+.2f} W)   {'PASS' if counted_ok and measured_ok else 'FAIL'}"
+    )
+    return {
+        **timeline,
+        "activations_after_forward": activations,
+        "predicted_peak_bytes": predicted,
+        "counted_peak_bytes": counted,
+        "counted_peak_at": labels[totals.index(counted)],
+        "counted_vs_predicted": counted / predicted,
+        "measured_minus_predicted_in_w": (measured - predicted) / sizes["weights"],
+        "counted_passed": counted_ok,
+        "measured_passed": measured_ok,
+        "passed": counted_ok and measured_ok,
+    }

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from ddp_course.cli import positive_float, positive_int
 from ddp_course.data import load_digits
 from ddp_course.models import DigitsCNN
+
 # ---- NOT PART OF DDP: gloo (CPU) jobs on torch 2.14 can abort at exit ("terminate called without an active exception")
 # when the group outlives destroy_process_group(): DDP imports this module after init, and its group= defaults hold the group
 # (imported first, they hold None); DDP's reference cycles live until gc.collect() (main's end). See ddp_course/distributed.py.

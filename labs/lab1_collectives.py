@@ -310,8 +310,10 @@ def report_bench(records, args) -> None:
     for r in records:
         log(f"{r['bytes']:>13,} {r['time_s'] * 1e6:>11.1f} {r['algbw_gbps']:>13.3f} {r['busbw_gbps']:>13.3f}")
     if records[0]["backend"] == "nccl":  # each row is timed from Python
-        log("note: rows below about 1 MiB time the host-side path (Python, c10d, kernel launch, synchronize) "
-            "more than NCCL itself; for NCCL's own figure run nccl-tests: all_reduce_perf -b 4K -e 1G -f 2 -g <gpus>")
+        log(
+            "note: rows below about 1 MiB time the host-side path (Python, c10d, kernel launch, synchronize) "
+            "more than NCCL itself; for NCCL's own figure run nccl-tests: all_reduce_perf -b 4K -e 1G -f 2 -g <gpus>"
+        )
     if args.json:
         atomic_write_json(records, args.json)
     if args.plot:

@@ -145,8 +145,10 @@ def main(args) -> int:
         result = train(ctx, args)  # plain numbers or None: the DDP model is out of reach now
         if result is None:
             return 1
-        log(f"steps per rank: {result['steps_per_rank']}; identical weights on every rank: "
-            f"{result['same_weights_on_every_rank']}; held-out accuracy {result['eval_accuracy']:.2%}")
+        log(
+            f"steps per rank: {result['steps_per_rank']}; identical weights on every rank: "
+            f"{result['same_weights_on_every_rank']}; held-out accuracy {result['eval_accuracy']:.2%}"
+        )
         if args.json and ctx.is_main:
             atomic_write_json(result, args.json)
         return 0

@@ -68,9 +68,7 @@ def make_sampler(dataset, ctx, args, shuffle=True, drop_last=False) -> Distribut
         rank = 0
     if args.bug == "wrong-world-size":  # e.g. a stale world size: the job expects one process more
         num_replicas += 1
-    return DistributedSampler(
-        dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=args.seed, drop_last=drop_last
-    )
+    return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=args.seed, drop_last=drop_last)
 
 
 def read_shards(ctx, args, drop_last=False) -> list[list[int]]:
@@ -215,11 +213,15 @@ def run_checks(ctx, args) -> dict:
 
     ev = evaluate(splits, ctx, args)
     log(f"eval: DigitsCNN after {args.train_steps} SGD steps on rank 0, broadcast; {ev['size']} held-out digits")
-    log(f"  padded (sampler as is): {ev['padded_correct']}/{ev['padded_total']} = {ev['padded_accuracy']:.3%}; "
-        f"counted twice: held-out samples {ev['padding_samples']}")
-    log(f"  exact (all-reduced counts, unpadded shards): {ev['exact_correct']}/{ev['exact_total']} = "
+    log(
+        f"  padded (sampler as is): {ev['padded_correct']}/{ev['padded_total']} = {ev['padded_accuracy']:.3%}; "
+        f"counted twice: held-out samples {ev['padding_samples']}"
+    )
+    log(
+        f"  exact (all-reduced counts, unpadded shards): {ev['exact_correct']}/{ev['exact_total']} = "
         f"{ev['exact_accuracy']:.3%}; skew {100 * ev['skew']:+.3f} points, at most {100 * ev['max_skew']:.3f} "
-        f"with {ev['duplicates']} duplicate(s) (never more than world_size - 1 = {ctx.world_size - 1})")
+        f"with {ev['duplicates']} duplicate(s) (never more than world_size - 1 = {ctx.world_size - 1})"
+    )
     log("  per rank (exact): " + " | ".join(f"rank {r['rank']} {r['exact'][0]}/{r['exact'][1]}" for r in ev["per_rank"]))
     exact_ok = (ev["exact_correct"], ev["exact_total"]) == (ev["single_process_correct"], ev["single_process_total"])
     checks.append(("exact metric", exact_ok, f"all-reduced {ev['exact_correct']}/{ev['exact_total']} vs one process "

@@ -61,23 +61,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=positive_int, default=10)
     parser.add_argument("--max-steps", type=positive_int, help="stop after this many optimizer steps in total")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="per rank and micro-batch")
-    parser.add_argument("--accumulation-steps", type=positive_int, default=1,
-                        help="micro-batches per optimizer step; global batch = batch x this x world size")
+    parser.add_argument("--accumulation-steps", type=positive_int, default=1, help="micro-batches per optimizer step; global batch = batch x this x world size")
     parser.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (momentum 0.9)")
     parser.add_argument("--seed", type=int, default=0, help="model initialization and data order")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability in the digits model (0: none)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: nccl with a GPU per rank, else gloo")
-    parser.add_argument("--amp", action="store_true",
-                        help="mixed precision on CUDA: bf16 autocast on GPUs with native bf16 (compute capability 8.0+), "
-                             "else fp16 autocast with a GradScaler (refused on the CPU)")
+    parser.add_argument(
+        "--amp",
+        action="store_true",
+        help="mixed precision on CUDA: bf16 autocast on GPUs with native bf16 (compute capability 8.0+), "
+        "else fp16 autocast with a GradScaler (refused on the CPU)",
+    )
     parser.add_argument("--workers", type=non_negative_int, help="DataLoader workers per rank (default: auto)")
     parser.add_argument("--checkpoint-dir", help="save a checkpoint here every epoch")
     parser.add_argument("--checkpoint-every", type=positive_int, help="also save every N optimizer steps")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     parser.add_argument("--save", help="write the final model state_dict (plain keys) to this file")
     parser.add_argument("--metrics-json", help="write the job's metrics as JSON to this file")
-    parser.add_argument("--log-every", type=positive_int, default=10,
-                        help="record the job-wide train loss in the JSON's history every N optimizer steps")
+    parser.add_argument("--log-every", type=positive_int, default=10, help="record the job-wide train loss in the JSON's history every N optimizer steps")
     parser.add_argument("--timeout-s", type=positive_float, default=300.0, help="process-group timeout, seconds")
     args = parser.parse_args(argv)
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:

@@ -82,7 +82,7 @@ def bucket_cap(text: str):
 
 
 def bucket_cap_list(text: str) -> list:
-    """"default,1,25" -> ["default", 1.0, 25.0]."""
+    """ "default,1,25" -> ["default", 1.0, 25.0]."""
     return [bucket_cap(part) for part in text.split(",")]
 
 
@@ -91,14 +91,22 @@ def parse_args(argv=None):
     parser.add_argument("--config", choices=CONFIGS, default="compute_bound", help="what one torchrun job measures")
     parser.add_argument("--batch-size", type=positive_int, help="per rank (default: the config's)")
     parser.add_argument("--global-batch", type=positive_int, help="strong scaling: split this batch over the ranks")
-    parser.add_argument("--bucket-cap-mb", type=bucket_cap, default=DEFAULT_BUCKETS,
-                        help="DDP gradient bucket size in MiB, or 'default' (DDP's: 1 MiB first bucket, then 25 MiB)")
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=bucket_cap,
+        default=DEFAULT_BUCKETS,
+        help="DDP gradient bucket size in MiB, or 'default' (DDP's: 1 MiB first bucket, then 25 MiB)",
+    )
     # Two warm-up steps at least: DDP rebuilds its buckets in the second iteration's forward (in
     # the order the gradients became ready), and that one-off cost must stay out of the timings.
     parser.add_argument("--warmup-steps", type=positive_int, default=2, help="untimed steps first (2: past DDP's bucket rebuild)")
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per repeat")
-    parser.add_argument("--repeats", type=positive_int, default=3,
-                        help="alternate DDP/no_sync timings this many times; each mode keeps the median of its repeats (within a job)")
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="alternate DDP/no_sync timings this many times; each mode keeps the median of its repeats (within a job)",
+    )
     parser.add_argument("--comm-hook", choices=COMM_HOOKS, default="none", help="compress gradients before the all-reduce")
     parser.add_argument("--amp", action="store_true", help="autocast on CUDA: bf16, or fp16 + GradScaler on GPUs without native bf16")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
@@ -107,10 +115,8 @@ def parse_args(argv=None):
     sweep = parser.add_argument_group("sweep driver (run with plain python, not torchrun)")
     sweep.add_argument("--sweep", type=int_list, help="world sizes, e.g. 1,2 or 1,2,4,8")
     sweep.add_argument("--configs", type=name_list, default="compute_bound,comm_bound", help="configs to sweep")
-    sweep.add_argument("--bucket-caps", type=bucket_cap_list, default=[DEFAULT_BUCKETS],
-                       help="bucket sizes: 'default' and/or MiB, e.g. default,1,25,100")
-    sweep.add_argument("--rounds", type=positive_int, default=2,
-                       help="measure every point in this many interleaved jobs; keep the fastest round (across jobs)")
+    sweep.add_argument("--bucket-caps", type=bucket_cap_list, default=[DEFAULT_BUCKETS], help="bucket sizes: 'default' and/or MiB, e.g. default,1,25,100")
+    sweep.add_argument("--rounds", type=positive_int, default=2, help="measure every point in this many interleaved jobs; keep the fastest round (across jobs)")
     sweep.add_argument("--threads-per-rank", type=positive_int, default=1, help="OMP_NUM_THREADS of every rank")
     sweep.add_argument("--plot", help="figure path (default: next to --json, .png)")
     args = parser.parse_args(argv)

@@ -60,8 +60,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 # The job labs 6, 8 and 9 share: model, batch, verdicts, timing (MODEL_SHAPE: the lab sheet reads it as lab6.MODEL_SHAPE).
 from ddp_course.char_lm_job import (
-    CHECK_LR, CONTEXT, EPS_PER_STEP, MODEL_SHAPE, deadline, global_batch, job_max, load_learner_module, median_ratio,  # noqa: F401
-    my_rows, new_model, seconds_per_step,
+    CHECK_LR,
+    CONTEXT,
+    EPS_PER_STEP,
+    MODEL_SHAPE,  # noqa: F401 (the lab sheet reads it as lab6.MODEL_SHAPE)
+    deadline,
+    global_batch,
+    job_max,
+    load_learner_module,
+    median_ratio,  # noqa: F401
+    my_rows,
+    new_model,
+    seconds_per_step,
 )
 from ddp_course.checkpoint import atomic_write_json
 from ddp_course.cli import CourseArgumentParser, CourseError, non_negative_int, positive_float, positive_int
@@ -90,22 +100,22 @@ def bucket_cap(text: str):
 
 def parse_args(argv=None):
     parser = CourseArgumentParser(prog="lab6_ddp_from_scratch.py", description="Check and time DDP written from scratch.")
-    parser.add_argument("--impl", action="append", choices=IMPLS + ("all",),
-                        help="implementation(s) to check and time; repeat the flag, or 'all' (default)")
-    parser.add_argument("--module", choices=("labs", "solutions"), default="labs",
-                        help="labs: your labs/minddp.py; solutions: the finished one")
-    parser.add_argument("--file", metavar="PATH",
-                        help="take the wrappers from this Python file instead of --module (the stretch goal: "
-                             "NaiveDDP written from an empty file, checked with --impl naive)")
-    parser.add_argument("--bucket-cap-mb", type=bucket_cap, default=25.0,
-                        help="BucketedDDP's and torch DDP's cap in MiB, 'none' (one bucket) or 'default' (each one's own)")
+    parser.add_argument("--impl", action="append", choices=IMPLS + ("all",), help="implementation(s) to check and time; repeat the flag, or 'all' (default)")
+    parser.add_argument("--module", choices=("labs", "solutions"), default="labs", help="labs: your labs/minddp.py; solutions: the finished one")
+    parser.add_argument(
+        "--file",
+        metavar="PATH",
+        help="take the wrappers from this Python file instead of --module (the stretch goal: NaiveDDP written from an empty file, checked with --impl naive)",
+    )
+    parser.add_argument(
+        "--bucket-cap-mb", type=bucket_cap, default=25.0, help="BucketedDDP's and torch DDP's cap in MiB, 'none' (one bucket) or 'default' (each one's own)"
+    )
     parser.add_argument("--batch-size", type=positive_int, default=4, help=f"windows of {CONTEXT} characters per rank")
     parser.add_argument("--check-steps", type=positive_int, default=5, help="SGD steps of the correctness check")
     parser.add_argument("--warmup-steps", type=positive_int, default=3, help="untimed steps first (torch DDP rebuilds its buckets)")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per repeat")
     parser.add_argument("--repeats", type=non_negative_int, default=5, help="timing rounds, interleaved across impls (0: no timing)")
-    parser.add_argument("--zero", action="store_true",
-                        help="also check part 4: torch DDP with your ShardedOptimizer(AdamW) against plain AdamW")
+    parser.add_argument("--zero", action="store_true", help="also check part 4: torch DDP with your ShardedOptimizer(AdamW) against plain AdamW")
     parser.add_argument("--train-steps", type=non_negative_int, default=0, help="then train this many AdamW steps and print the loss")
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate of --train-steps")
     parser.add_argument("--seed", type=int, default=0, help="model initialization and batches")
@@ -113,8 +123,9 @@ def parse_args(argv=None):
     parser.add_argument("--profile", metavar="DIR", help="write a torch.profiler trace per implementation and rank here")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
     parser.add_argument("--timeout-s", type=positive_float, default=120.0, help="process-group timeout, seconds")
-    parser.add_argument("--case-timeout-s", type=positive_float, default=60.0,
-                        help="a check case still running after this many seconds is a hang: FAIL, and the job ends")
+    parser.add_argument(
+        "--case-timeout-s", type=positive_float, default=60.0, help="a check case still running after this many seconds is a hang: FAIL, and the job ends"
+    )
     args = parser.parse_args(argv)
     chosen = args.impl or ["all"]
     args.impls = list(IMPLS) if "all" in chosen else [impl for impl in IMPLS if impl in chosen]
@@ -191,8 +202,10 @@ def check(args, ctx, tokens, minddp) -> dict:
     single = weights_after_sgd(args, ctx, tokens, minddp, "single process")
     with_torch = weights_after_sgd(args, ctx, tokens, minddp, "torch")
     tolerance = EPS_PER_STEP * args.check_steps * torch.finfo(torch.float32).eps * float(single.abs().max())
-    log(f"check: {args.check_steps} SGD steps, {ctx.world_size} shards of {args.batch_size} windows vs one process on all "
-        f"{args.batch_size * ctx.world_size}; tolerance {tolerance:.2g} ({EPS_PER_STEP} x steps x float32 eps x max|w|)")
+    log(
+        f"check: {args.check_steps} SGD steps, {ctx.world_size} shards of {args.batch_size} windows vs one process on all "
+        f"{args.batch_size * ctx.world_size}; tolerance {tolerance:.2g} ({EPS_PER_STEP} x steps x float32 eps x max|w|)"
+    )
     if ctx.world_size == 1:  # the only shard is the whole batch: no communication is needed to match one process
         log("  no sync   skipped: with one process it trains on the whole batch, exactly as the reference does")
     results = {}
@@ -202,8 +215,10 @@ def check(args, ctx, tokens, minddp) -> dict:
         diffs = {"max_abs_diff_vs_single_process": job_max(float((weights - single).abs().max()), ctx),
                  "max_abs_diff_vs_torch_ddp": job_max(float((weights - with_torch).abs().max()), ctx)}  # fmt: skip
         results[impl] = {**diffs, "verdict": verdict(impl, diffs, tolerance), "tolerance": tolerance}
-        log(f"  {impl:<9} max|w - one process| {diffs['max_abs_diff_vs_single_process']:.1e}   "
-            f"max|w - torch DDP| {diffs['max_abs_diff_vs_torch_ddp']:.1e}   {results[impl]['verdict']}")
+        log(
+            f"  {impl:<9} max|w - one process| {diffs['max_abs_diff_vs_single_process']:.1e}   "
+            f"max|w - torch DDP| {diffs['max_abs_diff_vs_torch_ddp']:.1e}   {results[impl]['verdict']}"
+        )
         if impl in WRAPPER_CLASS:
             results[impl].update(check_small_models(args, ctx, minddp, impl))
     return results
@@ -315,17 +330,18 @@ def check_zero(args, ctx, tokens, minddp) -> bool:
     adamw = functools.partial(torch.optim.AdamW, lr=ZERO_LR)
     plain = weights_after_sgd(args, ctx, tokens, minddp, "torch", keep("adamw", adamw))
     with deadline(args.case_timeout_s, "zero-1    ShardedOptimizer"):
-        sharded = weights_after_sgd(args, ctx, tokens, minddp, "torch",
-                                    keep("sharded", lambda ps: minddp.ShardedOptimizer(ps, torch.optim.AdamW, lr=ZERO_LR)))
+        sharded = weights_after_sgd(args, ctx, tokens, minddp, "torch", keep("sharded", lambda ps: minddp.ShardedOptimizer(ps, torch.optim.AdamW, lr=ZERO_LR)))
     tolerance = EPS_PER_STEP * args.check_steps * torch.finfo(torch.float32).eps * float(plain.abs().max())
     difference = job_max(float((sharded - plain).abs().max()), ctx)
     state_share = job_max(minddp.optimizer_state_bytes(optimizers["sharded"]), ctx) / minddp.optimizer_state_bytes(optimizers["adamw"])
     sizes = [p.numel() for p in optimizers["adamw"].param_groups[0]["params"]]
     allowed = 1 / ctx.world_size + max(sizes) / sum(sizes)
     passed = difference <= tolerance and state_share <= allowed
-    log(f"  zero-1    max|w - AdamW| {difference:.1e}   AdamW state on the fullest rank {state_share:.2f} of AdamW's "
+    log(
+        f"  zero-1    max|w - AdamW| {difference:.1e}   AdamW state on the fullest rank {state_share:.2f} of AdamW's "
         f"(at most 1/world_size + largest tensor / all = {1 / ctx.world_size:.2f} + {max(sizes) / sum(sizes):.2f})   "
-        f"{'PASS' if passed else 'FAIL'}")
+        f"{'PASS' if passed else 'FAIL'}"
+    )
     return passed
 
 
@@ -422,14 +438,18 @@ def run(args, ctx) -> tuple[list[dict], bool]:
         "zero1_vs_adamw": median_ratio(times, "torch+zero-1", "torch+adamw"),
     } for impl in args.impls]  # fmt: skip
     if median:
-        log(f"step time: median of {args.repeats} repeats of {args.steps} steps, slowest rank; "
-            f"the same step without communication ('no sync'): {1000 * median['no sync']:.1f} ms")
+        log(
+            f"step time: median of {args.repeats} repeats of {args.steps} steps, slowest rank; "
+            f"the same step without communication ('no sync'): {1000 * median['no sync']:.1f} ms"
+        )
         table = [{**r, "step_time_ms": 1000 * r["step_time_s"]} for r in records]
         log(format_table(table, ["impl", "bucket_cap_mb", "step_time_ms", "vs_torch_ddp", "exposed_comm_fraction"]))
     if "torch+zero-1" in median:  # ShardedOptimizer keeps DDP's all-reduce and adds one broadcast per parameter tensor
-        log(f"zero-1: torch DDP + ShardedOptimizer(AdamW) {1000 * median['torch+zero-1']:.1f} ms per step, torch DDP + AdamW "
+        log(
+            f"zero-1: torch DDP + ShardedOptimizer(AdamW) {1000 * median['torch+zero-1']:.1f} ms per step, torch DDP + AdamW "
             f"{1000 * median['torch+adamw']:.1f} ms ({median_ratio(times, 'torch+zero-1', 'torch+adamw'):.2f}x, median of "
-            f"same-repeat ratios): the broadcasts come on top of the gradient all-reduce")
+            f"same-repeat ratios): the broadcasts come on top of the gradient all-reduce"
+        )
     if args.train_steps:
         impl = "bucketed" if "bucketed" in args.impls else args.impls[0]
         records[args.impls.index(impl)]["train_losses"] = train(args, ctx, tokens, minddp, impl)

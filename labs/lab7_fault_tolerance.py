@@ -123,10 +123,7 @@ def check_restarts_are_safe() -> None:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         variable, value = next(iter(RESTART_SAFE_ENV.items()))
-        raise CourseError(
-            f"torchrun's restarts (--max-restarts, --nnodes=MIN:MAX) need {variable}={value} in its environment: "
-            "put it before torchrun"
-        )
+        raise CourseError(f"torchrun's restarts (--max-restarts, --nnodes=MIN:MAX) need {variable}={value} in its environment: put it before torchrun")
 
 
 def read_progress(directory) -> dict:
@@ -188,9 +185,7 @@ def train(ctx, args) -> dict:
     # The loader's own generator, reseeded every epoch: iter(loader) must not draw from the default
     # generator that dropout uses, or a resume puts every later mask one draw out of step (seeding.dataloader_seed).
     loader_generator = torch.Generator()
-    loader = DataLoader(
-        splits.train, batch_size=args.batch_size, sampler=sampler, num_workers=workers, generator=loader_generator
-    )
+    loader = DataLoader(splits.train, batch_size=args.batch_size, sampler=sampler, num_workers=workers, generator=loader_generator)
     recorder = open_recorder(args.record_samples, ctx)
     global_step, max_steps = start["global_step"], args.max_steps or float("inf")
     for epoch in range(start["epoch"], args.epochs):

@@ -109,8 +109,7 @@ def shape_mismatch(ctx, group, args) -> str:
     expected = float(sum(range(1, ctx.world_size + 1)))  # every rank's value, summed
     if not torch.all(values == expected):
         # gloo returned without an error: only a check of the numbers notices (no exception, no hang).
-        log(f"wrong result with no error: the all-reduce returned {values.tolist()}, "
-            f"every element should be {expected}", every_rank=True)
+        log(f"wrong result with no error: the all-reduce returned {values.tolist()}, every element should be {expected}", every_rank=True)
     waiting("the end-of-step barrier", lambda: dist.barrier(group), ctx.rank)
     return "no error"
 
@@ -193,8 +192,10 @@ def join_summary(model, steps: int, ctx) -> str:
     identical = all(all(torch.equal(w[k], weights[k]) for k in weights) for w in everyone)
     # float32: a few roundings per step (eps = 1.2e-7) over at most world_size + 1 steps
     follows_rule = max_relative_difference(weights, join_rule_reference(ctx.world_size)) < 1e-5
-    return (f"finished: steps per rank {steps_per_rank}; identical weights on every rank: {identical}; "
-            f"equal to the Join rule computed in one process: {follows_rule}")
+    return (
+        f"finished: steps per rank {steps_per_rank}; identical weights on every rank: {identical}; "
+        f"equal to the Join rule computed in one process: {follows_rule}"
+    )
 
 
 def scenario_group(ctx, args):
@@ -223,8 +224,7 @@ def main(args) -> int:
         ctx = setup_distributed(args.backend, timeout_s=START_TIMEOUT_S)
         group = scenario_group(ctx, args)
         tool = "off" if args.no_tools else TOOLS[args.scenario]
-        log(f"config: scenario={args.scenario} backend={ctx.backend} world_size={ctx.world_size} "
-            f"timeout_s={args.timeout_s:g} tool={tool}")
+        log(f"config: scenario={args.scenario} backend={ctx.backend} world_size={ctx.world_size} timeout_s={args.timeout_s:g} tool={tool}")
         try:
             outcome, status, waited_s = RUNNERS[args.scenario](ctx, group, args), 0, None
             log(outcome)
@@ -232,8 +232,7 @@ def main(args) -> int:
             outcome, status, waited_s = stop.line, 1, stop.waited_s
             log(outcome, every_rank=True)
         if args.json and ctx.is_main:
-            atomic_write_json({"scenario": args.scenario, "tool": tool, "status": status, "line": outcome,
-                               "seconds_waited": waited_s}, args.json)
+            atomic_write_json({"scenario": args.scenario, "tool": tool, "status": status, "line": outcome, "seconds_waited": waited_s}, args.json)
         return status
     except CourseError as error:
         log_error(str(error))

@@ -59,7 +59,14 @@ import torch
 
 import minizero2  # labs/minizero2.py, beside this script: ZeRO-2 from scratch, complete code to read
 from ddp_course.char_lm_job import (  # the job labs 6, 8 and 9 share: model, batch, verdicts, timing
-    CONTEXT, EPS_PER_STEP, global_batch, job_max, load_learner_module, median_ratio, my_rows, new_model,
+    CONTEXT,
+    EPS_PER_STEP,
+    global_batch,
+    job_max,
+    load_learner_module,
+    median_ratio,
+    my_rows,
+    new_model,
     seconds_per_step,
 )
 from ddp_course.checkpoint import atomic_write_json
@@ -68,7 +75,17 @@ from ddp_course.data import encode_text, load_stdlib_text, text_splits
 from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
 from ddp_course.reporting import format_table
 from ddp_course.sharded_training import (  # the harness labs 8 and 9 share: each implementation built, stepped, checked alike
-    ADAMW_LR, BATCH_SIZE, BYTES_TOLERANCE, CASE_TIMEOUT_S, CHECK_STEPS, IMPLS, Trained, check, gathered_now, kept, make_optimizer,
+    ADAMW_LR,
+    BATCH_SIZE,
+    BYTES_TOLERANCE,
+    CASE_TIMEOUT_S,
+    CHECK_STEPS,
+    IMPLS,
+    Trained,
+    check,
+    gathered_now,
+    kept,
+    make_optimizer,
 )
 from ddp_course.sharding import StepWatch, count_collectives, cuda_peak, model_state_bytes, predicted_bytes_per_step, storage_bytes
 
@@ -80,14 +97,19 @@ MIB = 2**20
 
 def parse_args(argv=None):
     parser = CourseArgumentParser(prog="lab8_fsdp.py", description="Check, weigh and time DDP, ZeRO-1 and FSDP.")
-    parser.add_argument("--impl", action="append", choices=IMPLS + ("all",),
-                        help="implementation(s); repeat the flag, or 'all' (default)")
-    parser.add_argument("--module", choices=("labs", "solutions"), default="labs",
-                        help="the FSDP of --impl fsdp: labs (your labs/minifsdp.py) or solutions (the finished one)")
-    parser.add_argument("--part", type=int, choices=(1, 2, 3),
-                        help="check --module's minifsdp.py, parts 1 to PART only (3: the whole check of --impl fsdp), and stop")
-    parser.add_argument("--fsdp-units", choices=("blocks", "matrices"), default="blocks",
-                        help="what --impl fsdp sends in one message: each block's weights (as fully_shard) or each matrix")
+    parser.add_argument("--impl", action="append", choices=IMPLS + ("all",), help="implementation(s); repeat the flag, or 'all' (default)")
+    parser.add_argument(
+        "--module", choices=("labs", "solutions"), default="labs", help="the FSDP of --impl fsdp: labs (your labs/minifsdp.py) or solutions (the finished one)"
+    )
+    parser.add_argument(
+        "--part", type=int, choices=(1, 2, 3), help="check --module's minifsdp.py, parts 1 to PART only (3: the whole check of --impl fsdp), and stop"
+    )
+    parser.add_argument(
+        "--fsdp-units",
+        choices=("blocks", "matrices"),
+        default="blocks",
+        help="what --impl fsdp sends in one message: each block's weights (as fully_shard) or each matrix",
+    )
     parser.add_argument("--batch-size", type=positive_int, default=BATCH_SIZE, help=f"windows of {CONTEXT} characters per rank")
     parser.add_argument("--check-steps", type=positive_int, default=CHECK_STEPS, help="SGD steps of the correctness check")
     parser.add_argument("--warmup-steps", type=positive_int, default=2, help="untimed AdamW steps first")
@@ -97,8 +119,9 @@ def parse_args(argv=None):
     parser.add_argument("--json", help="write one record per implementation here")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
     parser.add_argument("--timeout-s", type=positive_float, default=120.0, help="process-group timeout, seconds")
-    parser.add_argument("--case-timeout-s", type=positive_float, default=CASE_TIMEOUT_S,
-                        help="a check still running after this many seconds is a hang: FAIL, and the job ends")
+    parser.add_argument(
+        "--case-timeout-s", type=positive_float, default=CASE_TIMEOUT_S, help="a check still running after this many seconds is a hang: FAIL, and the job ends"
+    )
     args = parser.parse_args(argv)
     chosen = args.impl or ["all"]
     args.impls = list(IMPLS) if "all" in chosen else [impl for impl in IMPLS if impl in chosen]
@@ -158,6 +181,7 @@ def gathered_bound(bare_model, args, world_size: int) -> int:
     """The most full weights our FSDP may hold at once (float32, rows padded to a multiple of world_size):
     the unit holding the tied embedding, gathered from the head's backward until the embedding's
     gradient is complete, plus the largest other unit (one at a time: gathered, used, freed)."""
+
     def full_bytes(params):
         return sum(minifsdp_rows(p.shape[0], world_size) * p[0].numel() * 4 for p in params if p.dim() >= 2)
 
@@ -198,8 +222,10 @@ def modules_for(impls, module: str = "solutions") -> dict:
 def run(args, ctx) -> tuple[list[dict], bool]:
     modules = modules_for(args.impls, args.module)
     tokens, _ = text_splits(encode_text(load_stdlib_text()))
-    log(f"config: impls={','.join(args.impls)} module={args.module} world_size={ctx.world_size} backend={ctx.backend} "
-        f"device={ctx.device.type} batch={args.batch_size}x{CONTEXT} characters/rank")
+    log(
+        f"config: impls={','.join(args.impls)} module={args.module} world_size={ctx.world_size} backend={ctx.backend} "
+        f"device={ctx.device.type} batch={args.batch_size}x{CONTEXT} characters/rank"
+    )
     checked = check(args, ctx, tokens, modules)
     control_differs = checked["no sync"]["verdict"] == "differs (control)"
     measured, times = measure(args, ctx, tokens, modules)
@@ -229,17 +255,25 @@ def failures(record: dict) -> list[str]:
     """What an implementation got wrong, one concept per line (empty: PASS)."""
     found = []
     if not record["check_passed"]:
-        found.append(f"weights differ from one process's by {record['max_abs_diff_vs_single_process']:.1e} > {record['tolerance']:.1e}: "
-                     "the gradients are not the average over ranks of the whole model's")
+        found.append(
+            f"weights differ from one process's by {record['max_abs_diff_vs_single_process']:.1e} > {record['tolerance']:.1e}: "
+            "the gradients are not the average over ranks of the whole model's"
+        )
     if abs(record["bytes_vs_formula"] - 1) > BYTES_TOLERANCE:
-        found.append(f"sends {record['bytes_vs_formula']:.3f}x the formula's bytes per step (allowed 1 +- {BYTES_TOLERANCE}): "
-                     "a collective is missing, repeated or too large (lecture 7, section 2)")
+        found.append(
+            f"sends {record['bytes_vs_formula']:.3f}x the formula's bytes per step (allowed 1 +- {BYTES_TOLERANCE}): "
+            "a collective is missing, repeated or too large (lecture 7, section 2)"
+        )
     if record["impl"] == "fsdp" and record["gathered_after_forward_bytes"] > 0:
-        found.append(f"{record['gathered_after_forward_bytes'] / MIB:.2f} MiB of full weights still gathered after forward: "
-                     "each unit must free its full weights when its forward ends (part 2)")
+        found.append(
+            f"{record['gathered_after_forward_bytes'] / MIB:.2f} MiB of full weights still gathered after forward: "
+            "each unit must free its full weights when its forward ends (part 2)"
+        )
     if record["impl"] == "fsdp" and record["gathered_peak_bytes"] > record["gathered_bound_bytes"]:
-        found.append(f"{record['gathered_peak_bytes'] / MIB:.2f} MiB of full weights gathered at once, more than the root's "
-                     f"and one other unit's {record['gathered_bound_bytes'] / MIB:.2f} MiB: full weights must exist only around their use")
+        found.append(
+            f"{record['gathered_peak_bytes'] / MIB:.2f} MiB of full weights gathered at once, more than the root's "
+            f"and one other unit's {record['gathered_bound_bytes'] / MIB:.2f} MiB: full weights must exist only around their use"
+        )
     return found
 
 
@@ -283,8 +317,12 @@ def check_parts(args, ctx) -> bool:
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     wrapped = minifsdp.FSDP(model, units=list(model.blocks))
     after = wrapped.gather_full_params()
-    verdict(1, "gather_full_params", after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before),
-            "every weight whole again, equal to the model's before sharding")
+    verdict(
+        1,
+        "gather_full_params",
+        after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before),
+        "every weight whole again, equal to the model's before sharding",
+    )
     if args.part >= 2:  # forward only (no graph: nothing of part 3 runs), against the unsharded model
         tokens, _ = text_splits(encode_text(load_stdlib_text()))
         inputs = my_rows(global_batch(tokens, torch.Generator().manual_seed(args.seed), args, ctx)[0], ctx)
@@ -294,8 +332,10 @@ def check_parts(args, ctx) -> bool:
         tolerance = EPS_PER_STEP * torch.finfo(torch.float32).eps * float(expected.abs().max())
         difference = float((logits - expected).abs().max())
         verdict(2, "forward", difference <= tolerance, f"logits equal the unsharded model's: max difference {difference:.1e} <= {tolerance:.1e}")
-        bound, slices_shown = gathered_bound(new_model(args, ctx), args, ctx.world_size), all(
-            getattr(m, name) is p for m in model.modules() for name, p in m.named_parameters(recurse=False))
+        bound, slices_shown = (
+            gathered_bound(new_model(args, ctx), args, ctx.world_size),
+            all(getattr(m, name) is p for m in model.modules() for name, p in m.named_parameters(recurse=False)),
+        )
         verdict(2, "full weights only around their use", watch.at("after forward")["gathered"] == 0 and watch.peak() <= bound and slices_shown,
                 f"after forward {watch.at('after forward')['gathered']:,} B gathered, modules show their slices again: {slices_shown}; "
                 f"at most {watch.peak():,} B at once (root unit + one block: {bound:,} B)")  # fmt: skip
@@ -310,8 +350,10 @@ def judge(args, ctx) -> int:
     """Run everything in the job's process group; print the verdicts; return the exit status (0: every PASS)."""
     try:
         if ctx.world_size < 2:
-            raise CourseError(f"lab 8 needs 2 or more ranks (one rank shards nothing and sends nothing): torchrun "
-                              f"--standalone --nproc_per_node=2 labs/lab8_fsdp.py, or 2+ GPUs; this job has {ctx.world_size}")
+            raise CourseError(
+                f"lab 8 needs 2 or more ranks (one rank shards nothing and sends nothing): torchrun "
+                f"--standalone --nproc_per_node=2 labs/lab8_fsdp.py, or 2+ GPUs; this job has {ctx.world_size}"
+            )
         if args.part:
             if not check_parts(args, ctx):
                 raise CourseError(f"--part {args.part} FAILED: see the FAIL lines above")

@@ -104,8 +104,11 @@ def local_batch(args, ctx, tokens, step: int, group=None):
 
 def from_scratch() -> dict:
     """The finished from-scratch code the implementations need: lab 6's ShardedOptimizer (ZeRO-1), ZeRO-2, our FSDP."""
-    return {"minddp": char_lm_job.load_learner_module("solutions", "minddp", root=REPO_ROOT), "minizero2": minizero2,
-            "minifsdp": char_lm_job.load_learner_module("solutions", "minifsdp", root=REPO_ROOT)}
+    return {
+        "minddp": char_lm_job.load_learner_module("solutions", "minddp", root=REPO_ROOT),
+        "minizero2": minizero2,
+        "minifsdp": char_lm_job.load_learner_module("solutions", "minifsdp", root=REPO_ROOT),
+    }
 
 
 def memory(args, ctx, tokens) -> dict:
@@ -181,9 +184,11 @@ def meta(args, ctx, tokens) -> dict:
     equal = full_weights_equal(saved, loaded)
     remove_if_temporary(args, ctx, directory)
     passed = peaks["meta"] < whole <= peaks["whole_then_sharded"] and equal
-    log(f"meta     the whole model: {whole / MIB:.2f} MiB; the fullest rank's allocator peak building it whole, then sharding: "
+    log(
+        f"meta     the whole model: {whole / MIB:.2f} MiB; the fullest rank's allocator peak building it whole, then sharding: "
         f"{peaks['whole_then_sharded'] / MIB:.2f} MiB; on the meta device, then shards loaded: {peaks['meta'] / MIB:.2f} MiB; "
-        f"loaded weights equal the saved ones: {equal}   {'PASS' if passed else 'FAIL'}")
+        f"loaded weights equal the saved ones: {equal}   {'PASS' if passed else 'FAIL'}"
+    )
     return {"whole_model_bytes": whole, "peak_bytes": peaks, "loaded_equals_saved": equal, "passed": passed}
 
 
@@ -229,7 +234,9 @@ def activation_checkpointing(args, ctx, tokens) -> dict:
     """The same fully_shard step with and without checkpointing each block: the allocator's peak, the
     tensors saved for backward after forward, the all-gathers; the weights after the step are the same."""
     mesh, facts, weights = world_mesh(ctx), {}, {}
-    inputs, targets = (char_lm_job.my_rows(t, ctx) for t in char_lm_job.global_batch(tokens, torch.Generator().manual_seed(args.seed), impls.job_args(args.seed), ctx))
+    inputs, targets = (
+        char_lm_job.my_rows(t, ctx) for t in char_lm_job.global_batch(tokens, torch.Generator().manual_seed(args.seed), impls.job_args(args.seed), ctx)
+    )
     for setting, wrap_block in (("plain", None), ("checkpointed", Checkpointed)):
         model = sharded_model(args, ctx, mesh, wrap_block=wrap_block)
         optimizer = torch.optim.SGD(model.parameters(), lr=char_lm_job.CHECK_LR)
@@ -254,9 +261,11 @@ def activation_checkpointing(args, ctx, tokens) -> dict:
     equal = full_weights_equal(weights["plain"], weights["checkpointed"])
     plain, ac = facts["plain"], facts["checkpointed"]
     passed = ac["allocator_peak_bytes"] < plain["allocator_peak_bytes"] and ac["all_gathers"] == plain["all_gathers"] and equal
-    log(f"checkpoint  allocator peak {plain['allocator_peak_bytes'] / MIB:.2f} -> {ac['allocator_peak_bytes'] / MIB:.2f} MiB, saved for backward "
+    log(
+        f"checkpoint  allocator peak {plain['allocator_peak_bytes'] / MIB:.2f} -> {ac['allocator_peak_bytes'] / MIB:.2f} MiB, saved for backward "
         f"{plain['saved_after_forward_bytes'] / MIB:.2f} -> {ac['saved_after_forward_bytes'] / MIB:.2f} MiB, all-gathers per step "
-        f"{plain['all_gathers']} -> {ac['all_gathers']}, weights after the step equal: {equal}   {'PASS' if passed else 'FAIL'}")
+        f"{plain['all_gathers']} -> {ac['all_gathers']}, weights after the step equal: {equal}   {'PASS' if passed else 'FAIL'}"
+    )
     return {**facts, "weights_equal": equal, "passed": passed}
 
 
@@ -337,9 +346,11 @@ def clipping(args, ctx, tokens) -> dict:
         passed = passed and ok
         facts[how] = {"max_abs_diff_vs_one_process": difference, "first_step_norms_by_rank": [other[0][0] for other in everyone],
                       "norms_agree": norms_agree, "replicated_parameters_agree": replicas_agree, "passed": ok}  # fmt: skip
-        log(f"clip     {how:<11} first step's norm on each rank {', '.join(f'{other[0][0]:.4f}' for other in everyone)} "
+        log(
+            f"clip     {how:<11} first step's norm on each rank {', '.join(f'{other[0][0]:.4f}' for other in everyone)} "
             f"(one process {reference_norms[0]:.4f}); replicated parameters equal on every rank: {replicas_agree}; "
-            f"max|w - one process| {difference:.1e} ({'must differ' if not expected else f'<= {tolerance:.1e}'})   {'PASS' if ok else 'FAIL'}")
+            f"max|w - one process| {difference:.1e} ({'must differ' if not expected else f'<= {tolerance:.1e}'})   {'PASS' if ok else 'FAIL'}"
+        )
     facts["passed"] = passed
     return facts
 
@@ -379,17 +390,30 @@ def hsdp(args, ctx, tokens) -> dict:
     passed = difference <= tolerance and all(abs(ratio - 1) <= impls.BYTES_TOLERANCE for ratio in ratios.values())
     # what really left, where collectives write to sockets (gloo); NCCL's transports do not pass through write()
     sent = int(char_lm_job.job_max(written["bytes"], ctx)) if ctx.backend == "gloo" and written["bytes"] is not None else None
-    log(f"hsdp     {r} x 2 mesh: max|w - one process| {difference:.1e} <= {tolerance:.1e}; per rank per step, payloads at ring "
+    log(
+        f"hsdp     {r} x 2 mesh: max|w - one process| {difference:.1e} <= {tolerance:.1e}; per rank per step, payloads at ring "
         f"costs: within its pair (shard) {modelled['shard'] / MIB:.3f} MiB = {ratios['shard']:.3f}x 3(g-1)/g S, across pairs "
-        f"(replicate) {modelled['replicate'] / MIB:.3f} MiB = {ratios['replicate']:.3f}x 2(r-1)/r S/g   {'PASS' if passed else 'FAIL'}")
+        f"(replicate) {modelled['replicate'] / MIB:.3f} MiB = {ratios['replicate']:.3f}x 2(r-1)/r S/g   {'PASS' if passed else 'FAIL'}"
+    )
     if sent is not None:
         ratio = sent / sum(modelled.values())
         log(f"hsdp     written by the fullest rank ({ctx.backend}): {sent / MIB:.3f} MiB, {ratio:.2f}x the ring model's total")
-    calls = {dim: sorted({kind for (kind, _), ranks in zip(counter.calls, counter.groups) if ranks == group})
-             for dim, group in (("shard", shard_group), ("replicate", replicate_group))}
-    return {"mesh": [r, 2], "max_abs_diff_vs_one_process": difference, "tolerance": tolerance, "parameter_bytes": s,
-            "ring_model_bytes_by_dimension": modelled, "formula_by_dimension": formula, "ratio_by_dimension": ratios,
-            "written_bytes_per_step": sent, "calls_by_dimension": calls, "passed": passed}
+    calls = {
+        dim: sorted({kind for (kind, _), ranks in zip(counter.calls, counter.groups) if ranks == group})
+        for dim, group in (("shard", shard_group), ("replicate", replicate_group))
+    }
+    return {
+        "mesh": [r, 2],
+        "max_abs_diff_vs_one_process": difference,
+        "tolerance": tolerance,
+        "parameter_bytes": s,
+        "ring_model_bytes_by_dimension": modelled,
+        "formula_by_dimension": formula,
+        "ratio_by_dimension": ratios,
+        "written_bytes_per_step": sent,
+        "calls_by_dimension": calls,
+        "passed": passed,
+    }
 
 
 # --- a full training state, saved on 2 ranks, resumed on 4 ----------------------------------------------
@@ -452,9 +476,11 @@ def resume(args, ctx, tokens) -> dict:
     # weights and reference both on ctx.device (a CPU tensor minus a CUDA one raises)
     differences = {setting: char_lm_job.job_max(float((weights - reference).abs().max()), ctx) for setting, weights in facts.items()}
     passed = differences["model and optimizer"] <= tolerance < differences["model only"]
-    log(f"resume   saved by 2 ranks after {RESUME_AT} of {RESUME_STEPS} steps, resumed by {ctx.world_size}: max|w - uninterrupted| "
+    log(
+        f"resume   saved by 2 ranks after {RESUME_AT} of {RESUME_STEPS} steps, resumed by {ctx.world_size}: max|w - uninterrupted| "
         f"{differences['model and optimizer']:.1e} <= {tolerance:.1e}; without the optimizer's state {differences['model only']:.1e} "
-        f"(must differ)   {'PASS' if passed else 'FAIL'}")
+        f"(must differ)   {'PASS' if passed else 'FAIL'}"
+    )
     return {"saved_on": 2, "resumed_on": ctx.world_size, "steps": RESUME_STEPS, "saved_after": RESUME_AT, "tolerance": tolerance,
             "max_abs_diff_vs_uninterrupted": differences, "passed": passed}  # fmt: skip
 

@@ -438,9 +438,4 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """
     if isinstance(optimizer, ShardedOptimizer):
         optimizer = optimizer.local_optimizer
-    return sum(
-        value.numel() * value.element_size()
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    )
+    return sum(value.numel() * value.element_size() for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor))

@@ -161,9 +161,7 @@ class ZeRO2(nn.Module):
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The full flat gradients that exist right now (buckets not yet reduce-scattered): for accounting."""
-        return [b.gradients for b in self.buckets if b.gradients is not None] + [
-            b.shard_gradient for b in self.buckets if b.shard_gradient is not None
-        ]
+        return [b.gradients for b in self.buckets if b.gradients is not None] + [b.shard_gradient for b in self.buckets if b.shard_gradient is not None]
 
     def _gradient_ready(self, position: int) -> None:
         self._gradient_in(position)

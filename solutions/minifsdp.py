@@ -209,9 +209,7 @@ class ShardGroup:
         #   full.grad and the full tensors' memory are freed.
         # Divided by world_size first, so the reduce-scatter's sum is the average; laid out as the gather is
         # (row r of the (world_size, -1) view is what rank r receives).
-        gradients = [
-            (h.full.grad if h.full.grad is not None else torch.zeros_like(h.full)).to(torch.float32) for h in trainable
-        ]
+        gradients = [(h.full.grad if h.full.grad is not None else torch.zeros_like(h.full)).to(torch.float32) for h in trainable]
         flat = torch.cat([g.view(self.world_size, -1) / self.world_size for g in gradients], dim=1)
         mine = torch.empty(flat.shape[1], dtype=torch.float32, device=flat.device)
         reduce_scatter_single(mine, flat.reshape(-1))

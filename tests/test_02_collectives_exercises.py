@@ -105,8 +105,12 @@ def wrong_answers(namespace) -> dict[int, dict]:
     return {
         1: {"N-1 rounds": tree_with_ring_rounds, "shared tensor": tree_sharing_one_tensor},
         2: {"one bucket": one_bucket, "one tensor per bucket": closes_early},
-        3: {"the ring's cost": ring_seconds, "log N latencies once": log_rounds_once,
-            "half the message every round": whole_message_per_round, "beta as seconds per byte": seconds_per_byte},
+        3: {
+            "the ring's cost": ring_seconds,
+            "log N latencies once": log_rounds_once,
+            "half the message every round": whole_message_per_round,
+            "beta as seconds per byte": seconds_per_byte,
+        },
     }
 
 

@@ -46,8 +46,9 @@ def test_step_time_is_compute_plus_exposed_allreduce():
     parameters, flops = 124e6, 7e12
     t = calc.step_time(parameters, flops, 8, 2, "100 Gb/s per node", overlap=0.5)
     compute = flops / (0.40 * 989e12)
-    ring = calc.allreduce_seconds(4 * parameters, 8, 2, calc.NVLINK, calc.network_link("100 Gb/s per node", 8),
-                                  buckets=math.ceil(4 * parameters / (25 * 2**20)))
+    ring = calc.allreduce_seconds(
+        4 * parameters, 8, 2, calc.NVLINK, calc.network_link("100 Gb/s per node", 8), buckets=math.ceil(4 * parameters / (25 * 2**20))
+    )
     exposed = max(0.0, ring - 0.5 * 2 / 3 * compute)
     assert math.isclose(t["compute_s"], compute) and math.isclose(t["allreduce_s"], ring)
     assert math.isclose(t["exposed_s"], exposed) and math.isclose(t["step_s"], compute + exposed)
@@ -58,16 +59,14 @@ def test_step_time_is_compute_plus_exposed_allreduce():
 
 def test_step_time_reproduces_the_lectures_gpt2_prediction():
     """Lecture 5a, section 3: GPT-2 small on 2 nodes x 8 at 100 Gb/s, no overlap: 70.46 ms, efficiency 0.2527."""
-    t = calc.step_time(calc.gpt2_parameters(), 8 * 1024 * (6 * calc.gpt2_parameters() + 12 * 12 * 768 * 1024), 8, 2,
-                       "100 Gb/s per node", overlap=0.0)
+    t = calc.step_time(calc.gpt2_parameters(), 8 * 1024 * (6 * calc.gpt2_parameters() + 12 * 12 * 768 * 1024), 8, 2, "100 Gb/s per node", overlap=0.0)
     assert round(t["step_s"] * 1e3, 2) == 70.46 and round(t["efficiency"], 4) == 0.2527
 
 
 def test_memory_breakdown_terms():
     P, a, B = 1e9, 0.1 * GB, 10
     plain = calc.memory_breakdown(P, B, a)
-    assert plain == {"weights": 4 * P, "gradients": 4 * P, "DDP buckets": 4 * P, "optimizer state": 8 * P,
-                     "16-bit weight copies": 0, "activations": a * B}
+    assert plain == {"weights": 4 * P, "gradients": 4 * P, "DDP buckets": 4 * P, "optimizer state": 8 * P, "16-bit weight copies": 0, "activations": a * B}
     assert calc.memory_breakdown(P, B, a, optimizer="SGD")["optimizer state"] == 0
     assert calc.memory_breakdown(P, B, a, optimizer="SGD + momentum")["optimizer state"] == 4 * P
     assert calc.memory_breakdown(P, B, a, bucket_view=True)["DDP buckets"] == 0

@@ -491,8 +491,12 @@ def observe_lab3_rows(convert_checker, folder) -> dict:
     the checker runs its job: the solution, then each mistake, each twice (NAME straight, NAME-resumed from a copy
     of its checkpoint of epoch 1), with lab 3's flags and OBSERVER_ENV (every step recorded)."""
     rows = conversion_rows(convert_checker, "lab3-solution", CONVERT_SOLUTION)
-    edited = {**{name: edits for name, (_, edits) in MISTAKES.items()}, **CORRECT_VARIANTS, "hand-written-wrapper": HAND_WRITTEN_WRAPPER,
-              "part-b-one-process-style": PART_B_ONE_PROCESS_STYLE}
+    edited = {
+        **{name: edits for name, (_, edits) in MISTAKES.items()},
+        **CORRECT_VARIANTS,
+        "hand-written-wrapper": HAND_WRITTEN_WRAPPER,
+        "part-b-one-process-style": PART_B_ONE_PROCESS_STYLE,
+    }
     for name, edits in edited.items():
         script = folder / name / "my_ddp.py"
         script.parent.mkdir()
@@ -637,6 +641,7 @@ def test_my_ddp_solution_passes_all_thirteen_checks(convert_checker, conversion,
     """The learner's command on the solution, `python labs/lab3_convert_check.py solutions/my_ddp.py`: its
     main() in this process, on the solution's two rows (observe() would have launched the same two runs
     alone: the rows launch runs them with the same functions, lab4.observe_runs and lab4.run_job)."""
+
     def check(script, out_dir, job_timeout_s, part):
         assert script == CONVERT_SOLUTION.resolve() and job_timeout_s == convert_checker.JOB_TIMEOUT_S and part == "B"
         return conversion("lab3-solution")
@@ -654,8 +659,11 @@ def test_my_ddp_solution_passes_all_thirteen_checks(convert_checker, conversion,
     assert "the global batch's gradient (3 ranks x 3 micro-batches of 48)" in verdicts[4]
     assert verdicts[4].endswith("after 3 steps the weights equal one process's on the same global batches (AdamW, schedule and clipping replayed)")
     assert verdicts[5].startswith("PASS rank 0 alone wrote it; its 'model' loads into a bare DigitsNet (strict)"), verdicts[5]
-    assert re.fullmatch(r"PASS the last printed accuracy 0\.\d{4} is the saved model's on all 359 held-out images \(\d+/359\), "
-                        r"each scored once \(120, 120, 119 by ranks 0, 1 and 2\)", verdicts[6]), verdicts[6]
+    assert re.fullmatch(
+        r"PASS the last printed accuracy 0\.\d{4} is the saved model's on all 359 held-out images \(\d+/359\), "
+        r"each scored once \(120, 120, 119 by ranks 0, 1 and 2\)",
+        verdicts[6],
+    ), verdicts[6]
     assert re.search(r"each of the 8 optimizer steps clipped once.*step 1: (\d\.\d{4}), one process's global gradient: \1\)", verdicts[8]), verdicts[8]
     assert "(an epoch's last: 1) and only the last one's backward all-reduced: 8 all-reduces for 8 optimizer steps (20 micro-batches per rank)" in verdicts[10]
     assert verdicts[11].startswith("PASS rank 0 alone printed the loss, 4 times"), verdicts[11]
@@ -669,6 +677,7 @@ def test_my_ddp_solution_passes_all_thirteen_checks(convert_checker, conversion,
 def edited_copy(observation, folder, edit):
     """An Observation of a copy of a run's folder, whose recorded files edit(copy) changed (a spelling made without a launch)."""
     from ddp_course.checking import lab4
+
     original = observation.out_dir
     shutil.copytree(original, folder)
     for events in folder.glob("events-r*.jsonl"):  # the files it saved and loaded, where the copy has them
@@ -746,8 +755,7 @@ def test_the_default_script_says_how_to_start(convert_checker, monkeypatch, caps
         convert_checker.main([])
     assert stopped.value.code == 2
     assert capsys.readouterr().err.strip() == (
-        "lab3_convert_check.py: error: no such script: labs/my_ddp.py "
-        "(start with: cp labs/train_realistic.py labs/my_ddp.py, then make it a DDP script)"
+        "lab3_convert_check.py: error: no such script: labs/my_ddp.py (start with: cp labs/train_realistic.py labs/my_ddp.py, then make it a DDP script)"
     )
 
 
@@ -882,6 +890,7 @@ def test_each_row_runs_with_its_own_checkers_observer_settings(checker, convert_
     """Lab 3's rows record the details of every step (its OBSERVER_ENV), lab 4's only the first
     GRADIENT_STEPS: a row's env applies to that row alone, also to lab 4's solution after lab 3's rows."""
     from ddp_course.checking import observer
+
     lab3_steps = int(convert_checker.OBSERVER_ENV["LAB4_OBSERVE_STEPS"])
     for name, observation in jobs["rows"].result().items():
         if name != "unrescued":  # it dies at gloo's timeout (test_when_the_hang_kills_the_job_later_checks_are_blocked_not_guessed)
@@ -894,7 +903,15 @@ def test_each_row_runs_with_its_own_checkers_observer_settings(checker, convert_
             # epoch, and then has no step to run (seen once). That race is check 5's finding, not the observer's.
             continue
         # "spawn": lab 3's settings in a row of lab 4's launch, after lab 4's rows
-        lab3 = str(name).removesuffix("-resumed") in [*MISTAKES, *CORRECT_VARIANTS, "hand-written-wrapper", "part-b-one-process-style", "lab3-solution", "unconverted", "spawn"]
+        lab3 = str(name).removesuffix("-resumed") in [
+            *MISTAKES,
+            *CORRECT_VARIANTS,
+            "hand-written-wrapper",
+            "part-b-one-process-style",
+            "lab3-solution",
+            "unconverted",
+            "spawn",
+        ]
         for rank in observation.ranks:
             steps = sum(event["kind"] == "step" for event in observation.events[rank])
             recorded = len(list(observation.out_dir.glob(f"step-r{rank}-*.pt")))
@@ -931,7 +948,9 @@ def test_the_observer_records_what_spawned_workers_deliver(checker, convert_chec
     assert split.status == "PASS", split
     steps = convert_checker.recorded_steps(observation)
     gradient = convert_checker.check_global_gradient(observation, steps, convert_checker.Reference(steps), {3: True, 8: True, 9: True})
-    assert gradient.status == "PASS" and gradient.evidence.endswith("after 3 steps the weights equal one process's on the same global batches (AdamW, schedule and clipping replayed)"), gradient
+    assert gradient.status == "PASS" and gradient.evidence.endswith(
+        "after 3 steps the weights equal one process's on the same global batches (AdamW, schedule and clipping replayed)"
+    ), gradient
     print(f"one epoch under spawn, {spawned} workers spawned: {observation.run.wall_s:.1f} s")  # measured, not asserted
 
 
@@ -939,6 +958,7 @@ def test_the_observer_finds_what_it_patches_in_this_torch():
     """Every torch attribute the observer replaces exists with the parameters it relies on; a missing or
     changed one is named (install() then refuses to run instead of silently blinding a check)."""
     from ddp_course.checking import observer
+
     assert observer.check_torch_internals() == []
     changed = {"torch.utils.data.dataloader._BaseDataLoaderIter._next_index_renamed": ["self"], "torch.Tensor.backward": ["self", "retain_graph"]}
     problems = observer.check_torch_internals(changed)
@@ -955,6 +975,7 @@ def test_a_job_that_dies_names_its_exception(checker):
 def test_observed_ranks_read_the_same_digits(checker, tmp_path):
     """The observer serves the checker's saved digits (no scikit-learn in the ranks): the same tensors."""
     from ddp_course.checking import observer
+
     served, loaded = observer._load_saved_digits(str(checker.save_digits(tmp_path / "digits.pt"))), load_digits()
     assert served.num_classes == loaded.num_classes
     for split in ("train", "test"):

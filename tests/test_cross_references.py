@@ -64,9 +64,7 @@ ITEM = rf"{NUMBER}(?:\s*[-–]\s*{NUMBER})?"  # "2.3" or a range "2-3"
 # "2.3"; "2, 3 and 5"; "1.2 and §5.2"; "7-8". A list goes on after a comma only if it ends in "and N".
 NUMBERS = rf"(?P<numbers>{ITEM}(?:(?:\s*,\s*§?\s*{ITEM})*\s*,?\s+and\s+§?\s*{ITEM})?)"
 LINK_END = r"(?:\]\([^)\s]*\))?"  # "[lecture 4](04_ddp_internals.ipynb), section 2.3"
-NAMED = (
-    rf"(?:\b(?P<kind>lecture|lab)\s+|\b(?-i:L)(?=\d))(?P<id>\d+[ab]?)\b{LINK_END}(?:'s)?,?\s*"  # L6: lecture 6
-)
+NAMED = rf"(?:\b(?P<kind>lecture|lab)\s+|\b(?-i:L)(?=\d))(?P<id>\d+[ab]?)\b{LINK_END}(?:'s)?,?\s*"  # L6: lecture 6
 SECTION_REFERENCE = re.compile(rf"{NAMED}(?:§\s*|sections?\s+){NUMBERS}(?![\w.]*\d)", re.IGNORECASE)
 TITLE_REFERENCE = re.compile(rf'\b(?P<kind>lecture|lab)\s+(?P<id>\d+[ab]?){LINK_END},\s+"(?P<title>[^"]+)"', re.IGNORECASE)
 OWN_SECTION_REFERENCE = re.compile(rf"\bsections?\s+{NUMBERS}(?![\w.]*\d)", re.IGNORECASE)
@@ -124,7 +122,7 @@ def broken_references(text: str, where: str, notebooks: dict[str, Notebook], own
     for match in TITLE_REFERENCE.finditer(text):
         name, notebook = target(match)
         if notebook is None or not any(match.group("title").lower() in title.lower() for title in notebook.titles):
-            broken.append(f"{where}:{line_of(text, match.start())}: {name} has no heading \"{match.group('title')}\"")
+            broken.append(f'{where}:{line_of(text, match.start())}: {name} has no heading "{match.group("title")}"')
     unconsumed = "".join(consumed)
     if own is not None:
         for match in OWN_SECTION_REFERENCE.finditer(unconsumed):
@@ -231,7 +229,7 @@ def test_a_planted_broken_reference_is_reported(notebooks, planted):
         "lecture 1 §2-3",
         "sections 2, 3 and 5 of the paper (Higham 2002, §4.2)",  # bare: not checked outside a notebook
         "L6 §1 uneven, L3 §5",
-        "lecture 6, \"Checkpoints for resumable jobs\"",
+        'lecture 6, "Checkpoints for resumable jobs"',
         "lectures 5a, 5b and 6",
         "the lecture 5 reference run",
         "lab 6, part 3",  # a lab script's part, not a sheet's section
@@ -244,8 +242,6 @@ def test_a_sound_reference_is_not_reported(notebooks, sound):
 def test_a_bare_section_is_read_against_its_own_notebook(notebooks):
     own = notebooks["lecture 6"]
     assert broken_references("the interval (section 7.2's model)", "cell", notebooks, own) == []
-    assert broken_references("the interval (section 10's model)", "cell", notebooks, own) == [
-        "cell:1: 'section 10': lecture 6 has no section 10"
-    ]
+    assert broken_references("the interval (section 10's model)", "cell", notebooks, own) == ["cell:1: 'section 10': lecture 6 has no section 10"]
     # A named reference is read against the notebook it names, not against its own.
     assert broken_references("lecture 4, section 2.7", "cell", notebooks, own) == []

@@ -141,6 +141,4 @@ def test_without_torchrun_it_says_how_to_launch_it(monkeypatch, capsys):
     assert stopped.value.code == 2
     stderr = capsys.readouterr().err
     assert "Traceback" not in stderr
-    assert stderr.strip().splitlines()[-1] == (
-        "ddp_minimal.py: error: launch it with torchrun: torchrun --standalone --nproc_per_node=2 labs/ddp_minimal.py"
-    )
+    assert stderr.strip().splitlines()[-1] == ("ddp_minimal.py: error: launch it with torchrun: torchrun --standalone --nproc_per_node=2 labs/ddp_minimal.py")

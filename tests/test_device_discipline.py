@@ -196,7 +196,9 @@ def test_device_rule_failures_reads_a_run_s_summary_lines():
     assert recorder.device_rule_failures(good, nproc=2) == []
     bad = "[collectives rank 0] VIOLATION all_reduce: tensors on meta\n[collectives rank 0] calls 0 violations 1 ops \n"
     assert recorder.device_rule_failures(bad, nproc=2) == [
-        "rank 1 printed no summary line", "rank 0 made no collective call", "[collectives rank 0] VIOLATION all_reduce: tensors on meta"
+        "rank 1 printed no summary line",
+        "rank 0 made no collective call",
+        "[collectives rank 0] VIOLATION all_reduce: tensors on meta",
     ]
 
 

@@ -73,8 +73,7 @@ SAMPLES = {
         "2 ranks: load after wrap diverges, unused parameter raises at iteration 1, flight recorder dumped"),
 }  # fmt: skip
 # Files a key figure looks for beside the JSON (lecture 4's demos write a profiler trace per rank).
-EXTRA_FILES = {"lecture4_demos": ["traces/builtin/trace_rank0.json", "traces/blocking/trace_rank0.json"],
-               "lab9": ["snapshots/ddp_rank0.pickle"]}
+EXTRA_FILES = {"lecture4_demos": ["traces/builtin/trace_rank0.json", "traces/blocking/trace_rank0.json"], "lab9": ["snapshots/ddp_rank0.pickle"]}
 
 
 def finished(returncode=0, stderr="", wall_s=12.5, timed_out=False):
@@ -96,17 +95,30 @@ def test_a_lab_that_ran_passes_with_its_key_figure(tmp_path, name):
 def test_every_lab_in_the_table_has_a_sample():
     cpu_labs = {lab.name for lab in smoke.LAB_RUNS if not lab.gpu_only}
     assert cpu_labs == set(SAMPLES)
-    assert {lab.script for lab in smoke.LAB_RUNS} >= {"labs/lab1_collectives.py", "labs/lab2_sampler.py", "labs/lab2_join.py",
-                                                      "labs/lab3_ddp.py", "solutions/lab4_broken_ddp.py", "labs/lab5_scaling.py",
-                                                      "labs/lab6_ddp_from_scratch.py", "labs/lab7_fault_tolerance.py", "labs/lab7_hangs.py", "labs/lab8_fsdp.py",
-                                                      "lectures/scripts/ddp_internals_demos.py", "lectures/scripts/perf_ddp_job.py",
-                                                      "lectures/scripts/faults_demos.py", "lectures/scripts/sharding_demos.py"}
+    assert {lab.script for lab in smoke.LAB_RUNS} >= {
+        "labs/lab1_collectives.py",
+        "labs/lab2_sampler.py",
+        "labs/lab2_join.py",
+        "labs/lab3_ddp.py",
+        "solutions/lab4_broken_ddp.py",
+        "labs/lab5_scaling.py",
+        "labs/lab6_ddp_from_scratch.py",
+        "labs/lab7_fault_tolerance.py",
+        "labs/lab7_hangs.py",
+        "labs/lab8_fsdp.py",
+        "lectures/scripts/ddp_internals_demos.py",
+        "lectures/scripts/perf_ddp_job.py",
+        "lectures/scripts/faults_demos.py",
+        "lectures/scripts/sharding_demos.py",
+    }
 
 
 def test_lab1_on_one_gpu_reports_algbw_since_busbw_is_zero(tmp_path):
     """Seen on a one-GPU H200: busbw 0.00 GB/s, true (2(n-1)/n = 0) but no measurement; algbw is one."""
-    records = [{"algbw_gbps": 0.13, "busbw_gbps": 0.0, "bytes": 4096, "world_size": 1},
-               {"algbw_gbps": 52.41, "busbw_gbps": 0.0, "bytes": 4194304, "world_size": 1}]
+    records = [
+        {"algbw_gbps": 0.13, "busbw_gbps": 0.0, "bytes": 4096, "world_size": 1},
+        {"algbw_gbps": 52.41, "busbw_gbps": 0.0, "bytes": 4194304, "world_size": 1},
+    ]
     (tmp_path / "lab1.json").write_text(json.dumps(records))
     outcome = smoke.judge(LABS["lab1"], finished(), tmp_path)
     assert outcome.passed and outcome.detail == "algbw 52.41 GB/s at 4 MiB (1 rank: no bus traffic, busbw 0)"
@@ -131,8 +143,11 @@ def test_a_wrapper_that_fails_lab6s_check_fails_the_lab(tmp_path):
 
 
 def test_an_fsdp_that_fails_lab8s_check_fails_the_lab(tmp_path):
-    records = [{"impl": "ddp", "passed": True, "state_vs_ddp": 1.0}, {"impl": "fsdp", "passed": False, "state_vs_ddp": 0.5},
-               {"impl": "fully_shard", "passed": True, "state_vs_ddp": 0.5}]  # fmt: skip  (passed: lab 8's whole verdict)
+    records = [
+        {"impl": "ddp", "passed": True, "state_vs_ddp": 1.0},
+        {"impl": "fsdp", "passed": False, "state_vs_ddp": 0.5},
+        {"impl": "fully_shard", "passed": True, "state_vs_ddp": 0.5},
+    ]  # fmt: skip  (passed: lab 8's whole verdict)
     (tmp_path / "lab8.json").write_text(json.dumps(records))
     outcome = smoke.judge(LABS["lab8"], finished(), tmp_path)
     assert not outcome.passed and outcome.detail == "ran, but check failed for fsdp"
@@ -141,8 +156,10 @@ def test_an_fsdp_that_fails_lab8s_check_fails_the_lab(tmp_path):
 def test_lab9_on_a_gpu_needs_its_memory_snapshots_and_quotes_counted_and_measured_peaks(tmp_path):
     """A CUDA run without snapshots fails; any run quotes each implementation's counted peak over the formula
     and its allocator-measured peak less the formula (torch.cuda's on a GPU)."""
-    impls = {"ddp": {"counted_vs_predicted": 1.0, "measured_minus_predicted_in_w": 0.22},
-             "zero2": {"counted_vs_predicted": 0.979, "measured_minus_predicted_in_w": 0.19}}
+    impls = {
+        "ddp": {"counted_vs_predicted": 1.0, "measured_minus_predicted_in_w": 0.22},
+        "zero2": {"counted_vs_predicted": 0.979, "measured_minus_predicted_in_w": 0.19},
+    }
     report = {"world_size": 2, "device": "cuda", "memory": {"passed": True, "impls": impls}}
     (tmp_path / "lab9.json").write_text(json.dumps(report))
     outcome = smoke.judge(LABS["lab9"], finished(), tmp_path)
@@ -150,7 +167,8 @@ def test_lab9_on_a_gpu_needs_its_memory_snapshots_and_quotes_counted_and_measure
     (tmp_path / "lab9.json").write_text(json.dumps(report | {"device": "cpu"}))
     outcome = smoke.judge(LABS["lab9"], finished(), tmp_path)
     assert outcome.passed and outcome.detail == (
-        "1 parts passed (memory); counted peak / formula, CPU allocator peak - formula: ddp 1.00 / +0.22 W, zero2 0.98 / +0.19 W")
+        "1 parts passed (memory); counted peak / formula, CPU allocator peak - formula: ddp 1.00 / +0.22 W, zero2 0.98 / +0.19 W"
+    )
 
 
 def test_lab8_runs_ddp_and_both_fsdps_on_every_gpu(tmp_path):
@@ -215,7 +233,7 @@ def test_lecture6_replicas_that_stay_equal_after_a_late_load_fail(tmp_path):
 def test_a_crashed_lab_fails_with_its_last_error_line(tmp_path):
     stderr = (
         "[rank1]: Traceback (most recent call last):\n"
-        "[rank1]:   File \"labs/lab5_scaling.py\", line 170, in gather_from_every_rank\n"
+        '[rank1]:   File "labs/lab5_scaling.py", line 170, in gather_from_every_rank\n'
         "[rank1]: torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3690, invalid argument\n"
         "E1123 12:00:00.000000 123 api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 4242) of binary: python\n"
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"

@@ -142,7 +142,12 @@ def test_lab6_launches_only_the_parts_without_todos_and_reads_their_verdicts(tmp
     rows = grade.lab6_rows(sources, run=run)
     assert launched == [["--module", "labs", "--repeats", "0", "--impl=naive", "--impl=overlap", "--zero"]]
     assert [(r.check.split(":")[0], r.status) for r in rows] == [
-        ("part 1", "PASS"), ("part 2", "FAIL"), ("part 3", "FAIL"), ("part 4", "PASS"), ("the wrappers on GPUs (NCCL)", "BLOCKED")]
+        ("part 1", "PASS"),
+        ("part 2", "FAIL"),
+        ("part 3", "FAIL"),
+        ("part 4", "PASS"),
+        ("the wrappers on GPUs (NCCL)", "BLOCKED"),
+    ]
     assert rows[0].reason == "naive max|w - one process| 1.2e-07 max|w - torch DDP| 0.0e+00 PASS"
     assert rows[1].reason.startswith("overlap max|w - one process| 3.1e-01")
     assert rows[3].reason.startswith("zero-1 max|w - AdamW| 0.0e+00")
@@ -211,8 +216,10 @@ def test_a_learners_cell_that_raises_or_hangs_fails_its_row_only(tmp_path, monke
 
     solved = REPO_ROOT / "solutions" / "01_data_parallelism_solutions.ipynb"
     reasons = []
-    for answer in ("# Exercise 1: a token-level loss\ndef accumulate_step(*args):\n    return 1 / 0\n",  # the title changed too
-                   None):  # the title kept, the body a loop
+    for answer in (
+        "# Exercise 1: a token-level loss\ndef accumulate_step(*args):\n    return 1 / 0\n",  # the title changed too
+        None,
+    ):  # the title kept, the body a loop
         if answer is None:
             # Only now: the set-up cell's first, cold imports (torch, matplotlib) can take over 2 s on a loaded machine.
             monkeypatch.setattr(grade, "CELL_TIMEOUT_S", 2)

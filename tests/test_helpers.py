@@ -188,7 +188,6 @@ def test_rng_state_round_trips_through_a_safe_checkpoint(tmp_path):
     assert torch.equal(expected[0], restored[0]) and expected[1] == restored[1]
 
 
-
 def test_a_dataloader_iterator_draws_from_the_default_generator_unless_it_has_its_own():
     """Why the labs give their DataLoaders a generator (finding 3 of the 2026-11-24 review): iter(loader)
     draws a base seed for its workers even with num_workers=0, which puts dropout one draw out of step."""
@@ -293,10 +292,7 @@ def test_format_table_aligns_columns_and_rounds():
 
 
 def test_plot_scaling_writes_a_figure(tmp_path):
-    records = [
-        {"config": "c", "bucket_cap_mb": 25.0, "world_size": n, "samples_per_s": 100.0 * n * 0.9, "comm_fraction": 0.1 * n}
-        for n in (1, 2, 4)
-    ]
+    records = [{"config": "c", "bucket_cap_mb": 25.0, "world_size": n, "samples_per_s": 100.0 * n * 0.9, "comm_fraction": 0.1 * n} for n in (1, 2, 4)]
     reporting.plot_scaling(records, str(tmp_path / "scaling.png"))
     assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
 

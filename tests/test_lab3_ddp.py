@@ -435,6 +435,7 @@ def test_the_dropout_run_differs_from_the_run_without_dropout(short_runs):
 
 # --- BatchNorm buffers before evaluation --------------------------------------------------------------
 
+
 @pytest.mark.timeout(600)
 def test_every_rank_evaluates_with_rank_0s_batchnorm_statistics(jobs):
     """lab3_runs.py's check "rank0_buffers": ranks hold their own running statistics, then call

@@ -146,8 +146,7 @@ def test_every_finished_wrapper_matches_one_process_and_torch_ddp(solutions_job)
     assert 1e-5 < records[0]["tolerance"] < 1e-4
     lines = result.job_stdout().splitlines()
     # Each from-scratch wrapper: the transformer, then the two small models (rank-dependent order, unused parameters).
-    assert [line.split()[0] for line in lines if line.endswith("PASS")] == [
-        *["naive"] * 3, *["overlap"] * 3, *["bucketed"] * 3, "torch", "zero-1"]
+    assert [line.split()[0] for line in lines if line.endswith("PASS")] == [*["naive"] * 3, *["overlap"] * 3, *["bucketed"] * 3, "torch", "zero-1"]
     for record in records[:3]:
         assert set(record["small_models_max_abs_diff"]) == {"rank-dependent order", "unused on a rank"}, record
         assert record["small_models_passed"], record
@@ -234,8 +233,10 @@ def wrong_solution_row(folder, args, correct_line, wrong_line="", *more_changes)
 
 
 # ShardedOptimizer that keeps every parameter's state on every rank: right weights, nothing saved.
-SHARDS = ('        mine = [p for p, owner in zip(group["params"], owners) if owner == self.rank]\n',
-          '        mine = list(group["params"])  # WRONG: every rank steps (and keeps state for) everything\n')
+SHARDS = (
+    '        mine = [p for p, owner in zip(group["params"], owners) if owner == self.rank]\n',
+    '        mine = list(group["params"])  # WRONG: every rank steps (and keeps state for) everything\n',
+)
 
 
 DIVISION = "        bucket.buffer.div_(self.world_size)  # then the sum over ranks is the average\n"
@@ -299,8 +300,9 @@ def test_a_wrapper_that_waits_for_a_missing_gradient_fails_instead_of_hanging(jo
     parameter unused on a rank): the case's deadline turns the hang into a FAIL line and ends the job."""
     result = jobs.row("missing gradient")
     assert result.failed_by_itself(), result.describe()  # not killed by the launch's time limit
-    assert re.search(rf"^\[rank \d\]   overlap   unused on a rank   FAIL: still running after {CASE_DEADLINE_S} s",
-                     result.job_stdout(), re.MULTILINE), result.describe()
+    assert re.search(rf"^\[rank \d\]   overlap   unused on a rank   FAIL: still running after {CASE_DEADLINE_S} s", result.job_stdout(), re.MULTILINE), (
+        result.describe()
+    )
     assert "lab6_ddp_from_scratch.py: error: the check FAILED: overlap hung" in result.job_stderr()
 
 
@@ -313,8 +315,7 @@ def naive_ddp_in_an_empty_file(folder, *changes, names=NAIVE_DDP_NAMES):
     """The stretch goal done by copying: solutions/minddp.py's imports and the definitions in names (by
     default _DataParallel and NaiveDDP), alone in a new file, with each (correct, wrong) pair of changes applied."""
     solution = (REPO_ROOT / "solutions" / "minddp.py").read_text()
-    kept = [node for node in ast.parse(solution).body
-            if isinstance(node, (ast.Import, ast.ImportFrom)) or getattr(node, "name", None) in names]
+    kept = [node for node in ast.parse(solution).body if isinstance(node, (ast.Import, ast.ImportFrom)) or getattr(node, "name", None) in names]
     text = "\n\n\n".join(ast.get_source_segment(solution, node) for node in kept) + "\n"
     for correct, wrong in changes:
         assert correct in text, correct
@@ -356,7 +357,8 @@ def test_the_stretch_goal_checks_naive_ddp_from_its_own_file(jobs):
     assert untouched.ended_as_expected(), untouched.describe()  # exit status 1 on every rank
     assert untouched.job_stderr().strip().splitlines() == [
         "lab6_ddp_from_scratch.py: error: labs/naive_ddp_stretch.py defines no NaiveDDP: write it there, "
-        "or pick another --impl (the stretch goal is --impl naive)"]
+        "or pick another --impl (the stretch goal is --impl naive)"
+    ]
 
 
 def one_rank_launch(folder):

@@ -61,7 +61,7 @@ def expected_status(name) -> int:
 
 
 def file_name(name) -> str:
-    """"missing-rank, no tools" -> "missing-rank-no-tools": the run's output folder and report name."""
+    """ "missing-rank, no tools" -> "missing-rank-no-tools": the run's output folder and report name."""
     return rows_launch.row_name((name,)).replace(",", "")
 
 
@@ -125,10 +125,11 @@ def test_rank0_only_collective_is_named_by_detail_on_both_ranks(runs):
     result, report = runs["rank0-only"]
     assert_failed_in_time(result, report)
     lines = rank_lines(result)
-    assert lines["0"] == ["stopped in the all-reduce only rank 0 calls: mismatch: Detected mismatch between collectives "
-                          "(this rank ran ALLREDUCE [4]; they differ in op type, tensor shapes, tensor dtypes, tensor devices)"]
-    assert lines["1"] == ["stopped in the end-of-step barrier: mismatch: Detected mismatch between collectives "
-                          "(this rank ran BARRIER; they differ in op type)"]
+    assert lines["0"] == [
+        "stopped in the all-reduce only rank 0 calls: mismatch: Detected mismatch between collectives "
+        "(this rank ran ALLREDUCE [4]; they differ in op type, tensor shapes, tensor dtypes, tensor devices)"
+    ]
+    assert lines["1"] == ["stopped in the end-of-step barrier: mismatch: Detected mismatch between collectives (this rank ran BARRIER; they differ in op type)"]
     assert "tool=DETAIL" in result.job_stdout()
     assert report["seconds_waited"] < TIMEOUT_S  # DETAIL stops at once: it does not wait for the timeout
 
@@ -138,10 +139,12 @@ def test_shape_mismatch_is_named_with_detail_and_silently_wrong_without(runs):
     result, report = runs["shape-mismatch"]
     assert_failed_in_time(result, report)
     lines = rank_lines(result)
-    assert lines["0"] == ["stopped in the all-reduce: mismatch: Detected mismatch between collectives "
-                          "(this rank ran ALLREDUCE [4]; they differ in tensor shapes)"]
-    assert lines["1"] == ["stopped in the all-reduce: mismatch: Detected mismatch between collectives "
-                          "(this rank ran ALLREDUCE [3]; they differ in tensor shapes)"]
+    assert lines["0"] == [
+        "stopped in the all-reduce: mismatch: Detected mismatch between collectives (this rank ran ALLREDUCE [4]; they differ in tensor shapes)"
+    ]
+    assert lines["1"] == [
+        "stopped in the all-reduce: mismatch: Detected mismatch between collectives (this rank ran ALLREDUCE [3]; they differ in tensor shapes)"
+    ]
 
     # Without DETAIL, gloo hands rank 1 a wrong sum and raises nothing; rank 0 waits until its timeout.
     result, report = runs["shape-mismatch, no tools"]
@@ -184,8 +187,9 @@ def test_join_finishes_with_identical_weights_that_follow_the_join_rule(runs):
     result, report = runs["uneven-join"]
     assert result.ended_as_expected() and not result.a_rank_printed_a_traceback(), result.describe()
     assert report["status"] == 0 and report["seconds_waited"] is None
-    assert ("finished: steps per rank [2, 3]; identical weights on every rank: True; "
-            "equal to the Join rule computed in one process: True") in result.job_stdout()
+    assert (
+        "finished: steps per rank [2, 3]; identical weights on every rank: True; equal to the Join rule computed in one process: True"
+    ) in result.job_stdout()
 
 
 @pytest.mark.timeout(60)
@@ -239,8 +243,7 @@ def test_one_process_and_nccl_without_gpus_are_refused_in_one_line(monkeypatch, 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert lab.main(lab.parse_args(["--scenario", "uneven"])) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["lab7_hangs.py: error: every scenario needs at least 2 ranks: "
-                   "torchrun --standalone --nproc_per_node=2 labs/lab7_hangs.py ..."]
+    assert err == ["lab7_hangs.py: error: every scenario needs at least 2 ranks: torchrun --standalone --nproc_per_node=2 labs/lab7_hangs.py ..."]
     # The NCCL path is written but not run here (no GPU): asking for it says so in one line.
     monkeypatch.setattr(lab.torch.cuda, "device_count", lambda: 0)
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():

@@ -56,8 +56,17 @@ def machine_independent(report: dict) -> dict:
     if "memory" in report:
         memory = report["memory"]
         found["memory"] = {key: memory[key] for key in ("categories", "labels", "sizes", "passed")}
-        kept = ("bytes", "counted_peak_bytes", "counted_peak_at", "predicted_peak_bytes", "activations_after_forward",
-                "counted_passed", "measured_passed", "ring_model_bytes_per_step", "messages_per_step")
+        kept = (
+            "bytes",
+            "counted_peak_bytes",
+            "counted_peak_at",
+            "predicted_peak_bytes",
+            "activations_after_forward",
+            "counted_passed",
+            "measured_passed",
+            "ring_model_bytes_per_step",
+            "messages_per_step",
+        )
         found["memory"]["impls"] = {impl: {key: facts[key] for key in kept} for impl, facts in memory["impls"].items()}
         found["memory"]["zero2_check"] = memory["zero2_check"]["passed"]
     if "meta" in report:

@@ -64,10 +64,10 @@ def test_the_solutions_pass_their_checks():
 
 @pytest.mark.timeout(60)
 def test_the_stubs_say_not_solved_yet():
-    assert verdict(checks.check_exercise_1, exercise_function(LECTURE, 1, "accumulate_step")) == (
-        "exercise 1: not solved yet - fill in accumulate_step above")
+    assert verdict(checks.check_exercise_1, exercise_function(LECTURE, 1, "accumulate_step")) == ("exercise 1: not solved yet - fill in accumulate_step above")
     assert verdict(checks.check_tensor_parallel_backward, exercise_function(OPTIONAL, 1, "rank_backward")) == (
-        "exercise 1: not solved yet - fill in rank_backward above")
+        "exercise 1: not solved yet - fill in rank_backward above"
+    )
 
 
 def masked_sum(model, inputs, targets, mask):
@@ -196,8 +196,7 @@ def test_the_optional_exercise_and_its_stored_verdicts():
     assert {t: s for t, (s, _) in solution_checks.items()} == {t: s for t, (s, _) in lecture_checks.items()}
     # the stored verdicts: solved in the solutions, open in the notebook
     assert [out.strip().splitlines()[-1] for _, out in solution_checks.values()] == ["exercise 1: correct"]
-    assert [out.strip().splitlines()[-1] for _, out in lecture_checks.values()] == [
-        "exercise 1: not solved yet - fill in rank_backward above"]
+    assert [out.strip().splitlines()[-1] for _, out in lecture_checks.values()] == ["exercise 1: not solved yet - fill in rank_backward above"]
 
 
 @pytest.mark.timeout(30)

@@ -40,6 +40,7 @@ def check_verdict(number: int, answer) -> str:
 
 FUNCTIONS = {1: "rank_eval_sums", 2: "resume_shard", 3: "BlockDistributedSampler"}
 
+
 @pytest.mark.timeout(120)
 def test_the_solutions_pass_their_checks(solved):
     _, outputs = solved
@@ -68,8 +69,9 @@ def test_exercise_1_rejects_padding_and_means_of_batch_means(solved):
         with torch_.no_grad():
             for images, labels in loader:
                 logits = model(images)
-                sums += torch_.tensor([float((logits.argmax(1) == labels).sum()), len(labels),
-                                       float(F.cross_entropy(logits, labels, reduction="sum"))], dtype=torch_.float64)
+                sums += torch_.tensor(
+                    [float((logits.argmax(1) == labels).sum()), len(labels), float(F.cross_entropy(logits, labels, reduction="sum"))], dtype=torch_.float64
+                )
         return sums
 
     def averages_batch_means(model, loader, rank, world_size, n):
@@ -97,14 +99,13 @@ def test_exercise_2_rejects_the_same_world_size_answer_and_blocks(solved):
     def slice_a_new_sampler(n, seed, epoch, old_world_size, batch_size, steps_done, new_world_size, new_rank):
         sampler = DistributedSampler(range(n), num_replicas=new_world_size, rank=new_rank, seed=seed)
         sampler.set_epoch(epoch)  # right for the same world size, wrong for another
-        return list(sampler)[steps_done * batch_size:]
+        return list(sampler)[steps_done * batch_size :]
 
     def contiguous_pieces(n, seed, epoch, old_world_size, batch_size, steps_done, new_world_size, new_rank):
-        rest = [i for rank in range(new_world_size)
-                for i in solution(n, seed, epoch, old_world_size, batch_size, steps_done, new_world_size, rank)]
+        rest = [i for rank in range(new_world_size) for i in solution(n, seed, epoch, old_world_size, batch_size, steps_done, new_world_size, rank)]
         rest.sort(key=lambda i: i)  # the right samples, in another order
         size = math.ceil(len(rest) / new_world_size)
-        return rest[new_rank * size:(new_rank + 1) * size]
+        return rest[new_rank * size : (new_rank + 1) * size]
 
     def right_samples_reversed(*args):  # balanced, nothing skipped or repeated: only the order is wrong
         return list(reversed(solution(*args)))
@@ -131,7 +132,7 @@ def test_exercise_3_rejects_scattered_reads_uneven_shards_and_global_randomness(
 
         def __iter__(self):
             files = torch.randperm(math.ceil(self.n / self.block), generator=torch.Generator().manual_seed(self.seed + self.epoch))
-            mine = files.tolist()[self.rank::self.replicas]
+            mine = files.tolist()[self.rank :: self.replicas]
             return iter([i for f in mine for i in range(f * self.block, min((f + 1) * self.block, self.n))])
 
         def __len__(self):
@@ -144,7 +145,7 @@ def test_exercise_3_rejects_scattered_reads_uneven_shards_and_global_randomness(
             files = torch.randperm(math.ceil(self.n / self.block_size)).tolist()
             order = [i for f in files for i in range(f * self.block_size, min((f + 1) * self.block_size, self.n))]
             order += order[: len(self) * self.num_replicas - self.n]
-            return iter(order[self.rank * len(self):(self.rank + 1) * len(self)])
+            return iter(order[self.rank * len(self) : (self.rank + 1) * len(self)])
 
     for wrong in (Strided, WholeFilesRoundRobin, GlobalRandomState):
         assert check_verdict(3, wrong) == "exercise 3: not yet", wrong.__name__

@@ -162,7 +162,7 @@ def test_scaling_prose_agrees_with_the_lectures_own_model(solved):
     counts, no_overlap, overlap = namespace["gpu_counts"], namespace["speedups"][0.0], namespace["speedups"][1.0]
     peak = overlap.index(max(overlap))
     assert counts[peak] == 16 and max(overlap) > max(no_overlap)  # above the o = 0 limit: not Amdahl's curve
-    assert all(a > b for a, b in zip(overlap[peak:], overlap[peak + 1:]))  # then it falls
+    assert all(a > b for a, b in zip(overlap[peak:], overlap[peak + 1 :]))  # then it falls
     efficiency = [namespace["weak_scaling_efficiency"](namespace["gpt2"], n, namespace["network"]) for n in (16, 64, 256, 1024)]
     assert all(a > b for a, b in zip(efficiency, efficiency[1:])) and round(efficiency[-1], 2) == 0.31  # never levels off
 
@@ -202,9 +202,12 @@ def test_lecture_5a_self_check_is_section_2s_model_and_rejects_the_classic_mista
     right = step_ms(192, 8, 1e9, 100e9)
     assert math.isclose(right, SELF_CHECK.expected)
     assert verdict(SELF_CHECK, right).startswith("self-check: correct")
-    mistakes = {"no overlap": step_ms(192, 8, 1e9, 100e9, overlap=0), "all of it hidden": 192 / 8,
-                "the whole computation hides it": step_ms(192, 8, 1e9, 100e9, backward_share=1),
-                "2S / beta for the ring": step_ms(192, 8, 1e9, 100e9, ring=False)}
+    mistakes = {
+        "no overlap": step_ms(192, 8, 1e9, 100e9, overlap=0),
+        "all of it hidden": 192 / 8,
+        "the whole computation hides it": step_ms(192, 8, 1e9, 100e9, backward_share=1),
+        "2S / beta for the ring": step_ms(192, 8, 1e9, 100e9, ring=False),
+    }
     for mistake, answer in mistakes.items():
         assert verdict(SELF_CHECK, answer) == f"self-check: not yet - {SELF_CHECK.hint}", mistake
     assert "section 2" in SELF_CHECK.hint
@@ -223,8 +226,12 @@ def test_lecture_5b_self_check_is_section_3s_table_and_rejects_the_classic_mista
     right = rank_gb()
     assert math.isclose(right, SELF_CHECK.expected)
     assert verdict(SELF_CHECK, right).startswith("self-check: correct")
-    mistakes = {"no bucket copy": rank_gb(bucket_view=True), "the global batch on one rank": rank_gb(ranks=1),
-                "the model state divided by N": 20 / 8 + 32, "Adam's state as 4P": rank_gb(optimizer="SGD + momentum")}
+    mistakes = {
+        "no bucket copy": rank_gb(bucket_view=True),
+        "the global batch on one rank": rank_gb(ranks=1),
+        "the model state divided by N": 20 / 8 + 32,
+        "Adam's state as 4P": rank_gb(optimizer="SGD + momentum"),
+    }
     for mistake, answer in mistakes.items():
         assert verdict(SELF_CHECK, answer) == f"self-check: not yet - {SELF_CHECK.hint}", mistake
     assert "section 3" in SELF_CHECK.hint

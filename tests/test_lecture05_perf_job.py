@@ -165,11 +165,13 @@ def test_reference_script_reads_the_traces(job):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "args, message",
-    [(["--out-dir", "x", "--parts", "profile,nonsense"], "--parts: unknown nonsense"),
-     (["--out-dir", "x", "--hooks", "zip"], "--hooks: unknown zip"),
-     (["--out-dir", "x", "--hook-steps", "5"], "--hook-steps must exceed 10"),
-     (["--parts", "hooks"], "the following arguments are required: --out-dir"),
-     (["--out-dir", "x", "--bucket-caps", "0"], "--bucket-caps")],
+    [
+        (["--out-dir", "x", "--parts", "profile,nonsense"], "--parts: unknown nonsense"),
+        (["--out-dir", "x", "--hooks", "zip"], "--hooks: unknown zip"),
+        (["--out-dir", "x", "--hook-steps", "5"], "--hook-steps must exceed 10"),
+        (["--parts", "hooks"], "the following arguments are required: --out-dir"),
+        (["--out-dir", "x", "--bucket-caps", "0"], "--bucket-caps"),
+    ],
 )
 def test_bad_flags_give_one_line(refused_flag_line, args, message):
     job_module = import_script(JOB)

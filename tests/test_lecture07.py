@@ -71,9 +71,7 @@ def test_the_lecture_stubs_say_not_solved_yet(solved):
         number = int(re.match(r"# Exercise (\d+):", title).group(1))
         run_source(stub, namespace)
         name = FUNCTIONS[number]
-        assert verdict(getattr(checks, f"check_exercise_{number}"), namespace[name]) == (
-            f"exercise {number}: not solved yet - fill in {name} above"
-        )
+        assert verdict(getattr(checks, f"check_exercise_{number}"), namespace[name]) == (f"exercise {number}: not solved yet - fill in {name} above")
 
 
 def stage_bytes(shard_parameters=True, shard_gradients=True, optimizer_bytes=8, ddp_shards_optimizer=False):
@@ -177,9 +175,7 @@ def test_first_and_last_lines_and_word_budget():
 def test_the_checks_stored_measurements_are_the_jobs():
     """MEASURED_FSDP_WIRE_BYTES must be what the lecture's (nbval-compared) job reported: read from the
     lecture's stored output of the bytes table and the mixed-precision cell."""
-    outputs = "".join(
-        "".join(out.get("text", "")) for cell in nbformat.read(LECTURE, as_version=4).cells if cell.cell_type == "code" for out in cell.outputs
-    )
+    outputs = "".join("".join(out.get("text", "")) for cell in nbformat.read(LECTURE, as_version=4).cells if cell.cell_type == "code" for out in cell.outputs)
     for n, expected in ((2, checks.MEASURED_FSDP_WIRE_BYTES[(2, True, 4)]), (4, checks.MEASURED_FSDP_WIRE_BYTES[(4, True, 4)])):
         assert re.search(rf"N={n} ZeRO-3 \(fully_shard\)\s+all_gather 2S, reduce_scatter 1S\s+ring model\s+{expected:,} B", outputs)
     assert "bf16 params, fp32 reduce   all_gather 1.0S, reduce_scatter 1.0S: ring model 2.0 x (N-1)/N S" in outputs
@@ -219,8 +215,11 @@ def test_the_overlap_story_says_what_a_gloo_trace_can_show():
     output). The claims that taught overlap from that trace are gone from every text that made them."""
     cells = nbformat.read(LECTURE, as_version=4).cells
     outputs = "".join("".join(out.get("text", "")) for cell in cells if cell.cell_type == "code" for out in cell.outputs)
-    assert re.search(r"reshard: 8 all-gathers and 4 reduce-scatters issued; gloo ran 12 collectives, "
-                     r"each entirely inside the FSDP span that issued it: True", outputs)
+    assert re.search(
+        r"reshard: 8 all-gathers and 4 reduce-scatters issued; gloo ran 12 collectives, "
+        r"each entirely inside the FSDP span that issued it: True",
+        outputs,
+    )
     markdown = " ".join(" ".join(cell.source.split()) for cell in cells if cell.cell_type == "markdown")
     assert "`async_op=False`" in markdown and "On CPU with gloo nothing overlaps" in markdown
     texts = {
@@ -229,8 +228,13 @@ def test_the_overlap_story_says_what_a_gloo_trace_can_show():
         "lab 8 answers": " ".join((REPO_ROOT / "solutions" / "lab8_fsdp_answers.md").read_text().split()),
         "minifsdp": " ".join((REPO_ROOT / "solutions" / "minifsdp.py").read_text().split()),
     }
-    for wrong in ("forward prefetch is explicit", "here gloo runs them on its own threads", "reduce-scatter overlaps unit 4's backward",
-                  "is what makes this FSDP as fast as torch's (lab 8", "although `fully_shard` prefetches"):
+    for wrong in (
+        "forward prefetch is explicit",
+        "here gloo runs them on its own threads",
+        "reduce-scatter overlaps unit 4's backward",
+        "is what makes this FSDP as fast as torch's (lab 8",
+        "although `fully_shard` prefetches",
+    ):
         assert not [name for name, text in texts.items() if wrong in text], wrong
     assert "on CPU its prefetch hides nothing" in texts["lab 8 answers"] and "this FSDP would lose there" in texts["minifsdp"]
 
@@ -240,9 +244,7 @@ def test_the_lecture_measures_what_gloo_writes_beside_the_ring_model():
     """Section 2's lesson ("ZeRO-2 sends DDP's bytes") is the ring model, true for NCCL; the job also measured
     what each process wrote on gloo (nbval re-checks these stored lines against a fresh job): ZeRO-2 1.5x
     DDP's, ZeRO-3 2x, as gloo's reduce-scatter is an all-reduce of the whole input."""
-    outputs = "".join(
-        "".join(out.get("text", "")) for cell in nbformat.read(LECTURE, as_version=4).cells if cell.cell_type == "code" for out in cell.outputs
-    )
+    outputs = "".join("".join(out.get("text", "")) for cell in nbformat.read(LECTURE, as_version=4).cells if cell.cell_type == "code" for out in cell.outputs)
     for n in (2, 4):
         assert re.search(rf"N={n} ZeRO-2 .* ring model .* = 1\.00 x DDP .*; gloo wrote 1\.5 x DDP's", outputs)
         assert re.search(rf"N={n} ZeRO-3 \(fully_shard\) .* = 1\.50 x DDP .*; gloo wrote 2\.0 x DDP's", outputs)
@@ -272,8 +274,11 @@ def test_the_self_check_picks_the_stage_that_fits_and_sends_least():
         return predicted_state_bytes(stage, sharded, replicated, ranks) / (ranks if stage == "ddp" else 1)
 
     least_memory = min(STAGES, key=lambda stage: predicted_state_bytes(stage, 4 * 7e9, 0.0, 8))
-    mistakes = {"the least memory, whatever it sends": STAGES.index(least_memory), "the first stage that shards": 1,
-                "DDP's state divided by N": choice(state=ddp_divided_by_n)}
+    mistakes = {
+        "the least memory, whatever it sends": STAGES.index(least_memory),
+        "the first stage that shards": 1,
+        "DDP's state divided by N": choice(state=ddp_divided_by_n),
+    }
     for mistake, answer in mistakes.items():
         assert answer != right, mistake
         assert verdict(checks.SELF_CHECK, answer) == f"self-check: not yet - {checks.SELF_CHECK.hint}", mistake

@@ -35,7 +35,8 @@ def test_the_ring_time_is_lecture_2s_formula():
     for link in PUBLISHED_LINKS:
         for n_bytes, world_size in [(1e3, 2), (100e6, 8), (1e9, 64)]:
             assert ring_all_reduce_seconds(n_bytes, world_size, link) == pytest.approx(
-                lecture02_checks.ring_seconds(n_bytes, world_size, link.alpha, link.beta), rel=1e-12)
+                lecture02_checks.ring_seconds(n_bytes, world_size, link.alpha, link.beta), rel=1e-12
+            )
 
 
 def test_the_table_prints_one_row_per_link_with_its_time():

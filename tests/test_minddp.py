@@ -179,8 +179,7 @@ def test_exercise_fails_with_its_hints_part_by_part(wrappers_run):
 def test_committed_exercise_is_generated_from_the_solution():
     header = exercise_header("solutions/minddp.py", "labs/minddp.py")
     assert EXERCISE.read_text() == make_exercise(SOLUTION.read_text(), header), (
-        "labs/minddp.py differs from what solutions/minddp.py generates: "
-        "python -m ddp_course.authoring.exercises solutions/minddp.py labs/minddp.py"
+        "labs/minddp.py differs from what solutions/minddp.py generates: python -m ddp_course.authoring.exercises solutions/minddp.py labs/minddp.py"
     )
 
 

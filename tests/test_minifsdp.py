@@ -106,8 +106,7 @@ def test_rows_are_split_evenly_with_zero_padding_at_the_end():
 def test_committed_exercise_is_generated_from_the_solution():
     header = exercise_header("solutions/minifsdp.py", "labs/minifsdp.py")
     assert EXERCISE.read_text() == make_exercise(SOLUTION.read_text(), header), (
-        "labs/minifsdp.py differs from what solutions/minifsdp.py generates: "
-        "python -m ddp_course.authoring.exercises solutions/minifsdp.py labs/minifsdp.py"
+        "labs/minifsdp.py differs from what solutions/minifsdp.py generates: python -m ddp_course.authoring.exercises solutions/minifsdp.py labs/minifsdp.py"
     )
     command = [sys.executable, "-m", "ddp_course.authoring.exercises", SOLUTION, EXERCISE, "--check"]
     assert subprocess.run(command, capture_output=True, cwd=REPO_ROOT).returncode == 0

@@ -119,8 +119,7 @@ def test_a_rendezvous_port_dropped_by_a_firewall_fails_within_its_timeout(facts)
     found = facts["by hand: blocked port"]
     assert found["exit statuses"] == [1, 1] and not found["stopped by the launcher"]
     # Dropped, not refused: node2's agent waited its whole read_timeout (5 s) for an answer.
-    assert found["diagnosis"] == ("unreachable: the rendezvous endpoint node1 did not answer within 5000 ms: "
-                                  "a firewall drops its port, or the host is down")
+    assert found["diagnosis"] == ("unreachable: the rendezvous endpoint node1 did not answer within 5000 ms: a firewall drops its port, or the host is down")
 
 
 @pytest.mark.timeout(600)
@@ -142,9 +141,7 @@ def test_sbatch_with_an_endpoint_that_names_a_node_that_is_down_fails_with_its_d
     # FAILED on its own: not CANCELLED by cluster.wait's deadline, nor TIMEOUT.
     assert found["sacct"] == "FAILED node[1-2]", runs.job_outputs["wrong endpoint"]
     assert runs.jobs["wrong endpoint"].exit_code != "0:0"
-    assert found["diagnosis"] == (
-        "unreachable: no host answers at the rendezvous endpoint node3 (No route to host): "
-        "it names a host that is down or not there")
+    assert found["diagnosis"] == ("unreachable: no host answers at the rendezvous endpoint node3 (No route to host): it names a host that is down or not there")
     assert "lab3.sbatch: 2 nodes x 1 processes, rendezvous node3:29400" in runs.job_outputs["wrong endpoint"]
 
 
@@ -243,14 +240,20 @@ def test_the_sbatch_script_asks_srun_for_the_cpus_again_and_says_what_survives_a
 
 # What torch 2.14's agents and workers printed in the runs above (cut to the lines that matter), so that
 # diagnose_launch is also checked on machines that cannot make the hosts.
-GLOO_TO_LOOPBACK = ("RuntimeError: Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:152] timed out "
-                    "connecting: SO_ERROR: Connection refused, remote=[127.0.1.1]:16807$1")
-STORE_CLOSED = ("torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed.\n"
-                "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store "
-                "has failed. See inner exception for details.")
-DROPPED = ("torch.distributed.DistNetworkError: The client socket has timed out after 5000ms while trying to connect "
-           "to (node1, 29400).\ntorch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection "
-           "to the C10d store has failed. See inner exception for details.")
+GLOO_TO_LOOPBACK = (
+    "RuntimeError: Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:152] timed out "
+    "connecting: SO_ERROR: Connection refused, remote=[127.0.1.1]:16807$1"
+)
+STORE_CLOSED = (
+    "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed.\n"
+    "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store "
+    "has failed. See inner exception for details."
+)
+DROPPED = (
+    "torch.distributed.DistNetworkError: The client socket has timed out after 5000ms while trying to connect "
+    "to (node1, 29400).\ntorch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection "
+    "to the C10d store has failed. See inner exception for details."
+)
 NOBODY_JOINED = "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError"
 
 
@@ -525,4 +528,5 @@ def test_the_cleanup_command_removes_what_a_killed_session_left():
 def test_the_cleanup_command_says_what_to_do_without_its_flag():
     done = subprocess.run([sys.executable, "-m", "ddp_course.cluster.netns"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert done.returncode == 2 and done.stderr.splitlines()[-1] == (
-        "python -m ddp_course.cluster.netns: error: nothing to do: --cleanup removes what killed sessions left")
+        "python -m ddp_course.cluster.netns: error: nothing to do: --cleanup removes what killed sessions left"
+    )

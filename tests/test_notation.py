@@ -25,14 +25,17 @@ def test_no_symbol_has_two_rows():
     assert {"N", "S", "\\beta", "u", "\\tau", "\\delta", "k", "K", "E"} <= set(seen)
 
 
-@pytest.mark.parametrize("latex, symbols", [
-    (r"T = \alpha + S/\beta", {"T", "\\alpha", "S", "\\beta"}),
-    (r"f_\text{b} \approx 2/3,\ f_\text{s}", {"f_b", "f_s"}),  # a named subscript: two symbols
-    (r"c_N = 1 - t_\text{no\_sync}/T_\text{DDP}", {"c", "t", "T"}),  # an index, and labelled times
-    (r"\gamma_{N-1}\sum_i |x_i|", {"\\gamma", "x"}),
-    (r"\mathrm{speedup}(N) \le 1/f_\text{s}", {"N", "f_s"}),  # words in \mathrm are not symbols
-    (r"\mathbb{E}[\text{segment}] = \exp((\tau + C)/M)", {"\\tau", "C", "M"}),
-])
+@pytest.mark.parametrize(
+    "latex, symbols",
+    [
+        (r"T = \alpha + S/\beta", {"T", "\\alpha", "S", "\\beta"}),
+        (r"f_\text{b} \approx 2/3,\ f_\text{s}", {"f_b", "f_s"}),  # a named subscript: two symbols
+        (r"c_N = 1 - t_\text{no\_sync}/T_\text{DDP}", {"c", "t", "T"}),  # an index, and labelled times
+        (r"\gamma_{N-1}\sum_i |x_i|", {"\\gamma", "x"}),
+        (r"\mathrm{speedup}(N) \le 1/f_\text{s}", {"N", "f_s"}),  # words in \mathrm are not symbols
+        (r"\mathbb{E}[\text{segment}] = \exp((\tau + C)/M)", {"\\tau", "C", "M"}),
+    ],
+)
 def test_symbols_are_read_as_the_table_names_them(latex, symbols):
     assert notation.symbols_in(latex) == symbols
 

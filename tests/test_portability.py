@@ -142,7 +142,5 @@ def test_a_stored_path_fails_the_check_and_a_masked_one_passes_nbval(tmp_path, c
     assert portability.main([str(masked), str(planted), "--variant", "one-thread"]) == 1
     printed = capsys.readouterr().out.splitlines()
     assert not [line for line in printed if "CHANGED" in line], printed
-    assert [line.strip() for line in printed if "ABSOLUTE PATH" in line] == [
-        f"ABSOLUTE PATH {planted} cell 1 (nbval's Cell 0): /home/alice/labs/lab3_ddp.py"
-    ]
+    assert [line.strip() for line in printed if "ABSOLUTE PATH" in line] == [f"ABSOLUTE PATH {planted} cell 1 (nbval's Cell 0): /home/alice/labs/lab3_ddp.py"]
     assert any(line.startswith("NOT portable: the stored outputs above hold another machine's folders") for line in printed)

@@ -51,7 +51,7 @@ def test_before_and_next_follow_the_table(index):
     if index > 0:
         assert names(before, ROUTE[index - 1][0]), f"{path}: Before should name {ROUTE[index - 1][0]}: {before}"
     assert last[-1].startswith("**Next:**") or any(line.startswith("**Next:**") for line in last), f"{path}: no **Next:** line at its end"
-    next_line = " ".join(last[[i for i, line in enumerate(last) if line.startswith("**Next:**")][-1]:])
+    next_line = " ".join(last[[i for i, line in enumerate(last) if line.startswith("**Next:**")][-1] :])
     if index + 1 < len(ROUTE):
         assert names(next_line, ROUTE[index + 1][0]), f"{path}: Next should name {ROUTE[index + 1][0]}: {next_line}"
     else:

@@ -8,9 +8,7 @@ budget = import_script(REPO_ROOT / "benchmarks" / "suite_budget.py")
 
 
 def test_the_ratio_divides_by_the_median_main_job():
-    assert budget.report(900, [9.0, 10.0, 30.0]) == (
-        "suite 900 s = 90 runs of the main job (median 10.0 s of 9.0, 10.0, 30.0): within the budget of 90 runs"
-    )
+    assert budget.report(900, [9.0, 10.0, 30.0]) == ("suite 900 s = 90 runs of the main job (median 10.0 s of 9.0, 10.0, 30.0): within the budget of 90 runs")
 
 
 def test_a_suite_over_90_runs_is_reported_over():

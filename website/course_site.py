@@ -23,6 +23,7 @@ def course(app) -> dict:
 
 # --- maths: MathML written at build time, which browsers render without any script ---------------
 
+
 def visit_inline_math(self, node):
     self.body.append(latex_to_mathml(node.astext()))
     raise nodes.SkipNode
@@ -34,6 +35,7 @@ def visit_block_math(self, node):
 
 
 # --- sections: [core] and [deep dive] become visible marks; deep-dive sections get a class ---------
+
 
 def mark_sections(app, doctree):
     for section in doctree.findall(nodes.section):
@@ -50,6 +52,7 @@ def mark_sections(app, doctree):
 
 # --- the diagrams: alt text from their committed descriptions ----------------------------------
 
+
 def describe_diagrams(app, doctree):
     alt_texts = course(app)["diagram_alt"]
     for image in doctree.findall(nodes.image):
@@ -59,6 +62,7 @@ def describe_diagrams(app, doctree):
 
 
 # --- every page: the stamp, and on a route page its step, Before and Next ---------------------------
+
 
 def route_banner(app, pagename: str) -> str:
     route = course(app)["route"]
@@ -72,10 +76,16 @@ def route_banner(app, pagename: str) -> str:
         uri = app.builder.get_relative_uri(pagename, docs[target])
         return f'<a class="{css}" href="{html.escape(uri)}">{words}</a>'
 
-    before = link("route-before", f"&larr; Before: step {index}, {route[index - 1]['step']}", index - 1) if index else \
-        f'<a class="route-before" href="{html.escape(app.builder.get_relative_uri(pagename, "index"))}">&larr; The syllabus</a>'
-    after = link("route-next", f"Next: step {index + 2}, {route[index + 1]['step']} &rarr;", index + 1) if index + 1 < len(docs) else \
-        '<span class="route-next route-end">The end of the route</span>'
+    before = (
+        link("route-before", f"&larr; Before: step {index}, {route[index - 1]['step']}", index - 1)
+        if index
+        else f'<a class="route-before" href="{html.escape(app.builder.get_relative_uri(pagename, "index"))}">&larr; The syllabus</a>'
+    )
+    after = (
+        link("route-next", f"Next: step {index + 2}, {route[index + 1]['step']} &rarr;", index + 1)
+        if index + 1 < len(docs)
+        else '<span class="route-next route-end">The end of the route</span>'
+    )
     here = f'<span class="route-here">Route step {index + 1} of {len(docs)}: {route[index]["step"]}{deep}</span>'
     return f'<nav class="course-route" aria-label="the route">{before}{here}{after}</nav>'
 
@@ -84,9 +94,11 @@ def add_stamp_and_route(app, pagename, templatename, context, doctree):
     if "body" not in context:
         return
     banner = route_banner(app, pagename)
-    toggle = ('<p class="course-core-toggle"><label><input type="checkbox" class="core-only-switch"> '
-              "Core path only: fold the deep-dive sections</label></p>") if doctree is not None and any(
-        "deep-dive" in section["classes"] for section in doctree.findall(nodes.section)) else ""
+    toggle = (
+        ('<p class="course-core-toggle"><label><input type="checkbox" class="core-only-switch"> Core path only: fold the deep-dive sections</label></p>')
+        if doctree is not None and any("deep-dive" in section["classes"] for section in doctree.findall(nodes.section))
+        else ""
+    )
     context["body"] = course(app)["stamp_html"] + banner + toggle + context["body"] + banner
 
 

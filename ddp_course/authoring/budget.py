@@ -190,11 +190,7 @@ def count_notebook(step: str, path: str) -> NotebookCount:
 
 def _unstated_headings(markdown: str) -> list[str]:
     """Exercise headings in a markdown cell whose line states no time."""
-    return [
-        line.lstrip("#").strip()
-        for line in markdown.splitlines()
-        if EXERCISE_HEADING.match(line) and not STATED_TIME.search(line)
-    ]
+    return [line.lstrip("#").strip() for line in markdown.splitlines() if EXERCISE_HEADING.match(line) and not STATED_TIME.search(line)]
 
 
 def total(counts: list[NotebookCount], part: str) -> Tally:
@@ -266,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{count.core.reading_minutes / 60:>9.1f} {count.core.exercise_minutes / 60:>8.1f}"
         )
     for name, part in hours(counts).items():
-        print(f"{name}: reading and running {part['reading']:.1f} h + exercises {part['exercises']:.1f} h + set-up {part['set-up']:g} h = {part['total']:.1f} h")
+        print(
+            f"{name}: reading and running {part['reading']:.1f} h + exercises {part['exercises']:.1f} h + set-up {part['set-up']:g} h = {part['total']:.1f} h"
+        )
     failed = False
     for ok, line in budget_lines(counts):
         if not ok or line.startswith(("whole", "core")):

@@ -131,7 +131,7 @@ def make_exercise(solution: str, header: str = "", parts=None) -> str:
 def exercise_header(solution_path: str, exercise_path: str) -> str:
     """The comment a generated exercise starts with: what to do, and where it comes from."""
     return (
-        "Exercise: replace each `raise NotImplementedError(\"TODO(...)\")` below with working code, part by part.\n"
+        'Exercise: replace each `raise NotImplementedError("TODO(...)")` below with working code, part by part.\n'
         f"Generated from {solution_path} by `python -m ddp_course.authoring.exercises {solution_path} {exercise_path}`:\n"
         "course maintainers edit the solution and regenerate this file; a test checks that the two agree."
     )

@@ -496,8 +496,10 @@ class Stamp:
             said = "re-checked by <code>pytest --nbval</code>, which passed before this build"
         else:
             said = "<strong>not re-checked by this build</strong> (run <code>pytest --nbval</code>)"
-        return (f'<p class="{STAMP_CLASS}">Stored outputs as of commit <code>{self.commit}</code> with torch '
-                f"<code>{self.torch}</code>; {said}. Nothing on this site was executed to build it.</p>")
+        return (
+            f'<p class="{STAMP_CLASS}">Stored outputs as of commit <code>{self.commit}</code> with torch '
+            f"<code>{self.torch}</code>; {said}. Nothing on this site was executed to build it.</p>"
+        )
 
 
 def current_stamp(root: Path, checked: bool) -> Stamp:
@@ -552,16 +554,20 @@ def describe_torchrun_processes(description: dict) -> str:
         + ", ".join(f"rank {worker['env']['RANK']} on {worker['device']} (LOCAL_RANK {worker['env']['LOCAL_RANK']})" for worker in node["workers"])
         for node in description["nodes"]
     )  # fmt: skip
-    return (f"Diagram of what `{description['command']}` starts: {nodes}. The agents meet at a "
-            f"{description['rendezvous']}; the workers form {description['process_group']}. {description['note']}.")
+    return (
+        f"Diagram of what `{description['command']}` starts: {nodes}. The agents meet at a "
+        f"{description['rendezvous']}; the workers form {description['process_group']}. {description['note']}."
+    )
 
 
 def describe_ddp_backward(description: dict) -> str:
     buckets = "; ".join(f"bucket {index}: {', '.join(bucket)}" for index, bucket in enumerate(description["buckets"]))
-    return (f"Diagram of DDP's backward in four lanes ({'; '.join(description['lanes'])}). Backward reaches the "
-            f"layers in the order {', '.join(description['backward_order'])}; the buckets are {buckets}; each bucket's "
-            f"all-reduce is launched as soon as its last gradient is ready. {description['end']}. "
-            f"Model: {description['model']}; {description['ddp_flags']}; {description['note']}.")
+    return (
+        f"Diagram of DDP's backward in four lanes ({'; '.join(description['lanes'])}). Backward reaches the "
+        f"layers in the order {', '.join(description['backward_order'])}; the buckets are {buckets}; each bucket's "
+        f"all-reduce is launched as soon as its last gradient is ready. {description['end']}. "
+        f"Model: {description['model']}; {description['ddp_flags']}; {description['note']}."
+    )
 
 
 def describe_failure_decision_tree(description: dict) -> str:
@@ -581,8 +587,10 @@ def describe_sharded_memory_timeline(description: dict) -> str:
         parts.append(f"{name}: peak {peak:.1f} MiB at sample {totals.index(peak)} of {len(totals)}, "
                      f"{totals[0]:.1f} MiB before the step")  # fmt: skip
     phases = ", ".join(f"{phase} from sample {start}" for phase, start in sorted(description["phase_starts"].items(), key=lambda item: item[1]))
-    return (f"Stacked-area chart of the bytes one rank holds over one AdamW step ({', '.join(description['categories'])}), "
-            f"measured; phases: {phases}. " + "; ".join(parts) + ".")
+    return (
+        f"Stacked-area chart of the bytes one rank holds over one AdamW step ({', '.join(description['categories'])}), "
+        f"measured; phases: {phases}. " + "; ".join(parts) + "."
+    )
 
 
 def describe_rank_timeline(description: dict) -> str:
@@ -596,12 +604,16 @@ def describe_rank_timeline(description: dict) -> str:
             total = sum(milliseconds.values())
             shares = ", ".join(f"{category} {100 * spent / total:.0f} %" for category, spent in milliseconds.items())
             facts = panel["facts"][rank]
-            ranks.append(f"rank {rank} ({total:.0f} ms: {shares}; intra-op threads: {facts['threads']}, "
-                         f"all-reduce calls per step: {facts['allreduce_calls_per_step']}, buckets: {facts['buckets_per_round']})")
+            ranks.append(
+                f"rank {rank} ({total:.0f} ms: {shares}; intra-op threads: {facts['threads']}, "
+                f"all-reduce calls per step: {facts['allreduce_calls_per_step']}, buckets: {facts['buckets_per_round']})"
+            )
         panels.append(f"{panel['title']}: " + "; ".join(ranks))
     steps = description["steps"]
-    return (f"Timeline chart, one bar per rank, of steps {steps[0]} to {steps[-1]}, each rank's time coloured by "
-            f"{', '.join(description['categories'])}, measured. " + " | ".join(panels) + ".")
+    return (
+        f"Timeline chart, one bar per rank, of steps {steps[0]} to {steps[-1]}, each rank's time coloured by "
+        f"{', '.join(description['categories'])}, measured. " + " | ".join(panels) + "."
+    )
 
 
 DIAGRAM_DESCRIBERS = {
@@ -660,7 +672,11 @@ class PageParser(html.parser.HTMLParser):
         for key in ("src", "srcset", "data"):
             if attributes.get(key) and tag != "a":
                 self.resources.append(attributes[key])
-        if tag == "link" and attributes.get("href") and set((attributes.get("rel") or "").split()) & {"stylesheet", "preload", "icon", "modulepreload", "prefetch"}:
+        if (
+            tag == "link"
+            and attributes.get("href")
+            and set((attributes.get("rel") or "").split()) & {"stylesheet", "preload", "icon", "modulepreload", "prefetch"}
+        ):
             self.resources.append(attributes["href"])
 
 

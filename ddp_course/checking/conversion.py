@@ -364,11 +364,19 @@ def check_data_split(obs, train_size: int) -> Verdict:
                 shared = set(orders[rank]) & set(orders[other])
                 if len(shared) > padding:
                     first = next(i for i in orders[rank] if i in shared)
-                    return verdict(1, "FAIL", f"ranks {rank} and {other} both trained on sample {first} in epoch {epoch} ({len(shared)} of the {train_size} training samples were read by both)")
+                    return verdict(
+                        1,
+                        "FAIL",
+                        f"ranks {rank} and {other} both trained on sample {first} in epoch {epoch} ({len(shared)} of the {train_size} training samples were read by both)",
+                    )
         read = [index for order in orders.values() for index in order]
         repeats = len(read) - len(set(read))
         if repeats > padding:
-            return verdict(1, "FAIL", f"{repeats} training samples were read more than once in epoch {epoch}; padding to a multiple of {obs.world_size} ranks repeats {padding}")
+            return verdict(
+                1,
+                "FAIL",
+                f"{repeats} training samples were read more than once in epoch {epoch}; padding to a multiple of {obs.world_size} ranks repeats {padding}",
+            )
         unread = set(range(train_size)) - set(read)
         if unread:
             return verdict(1, "FAIL", f"{len(unread)} training samples were read by no rank in epoch {epoch} (sample {min(unread)}, ...)")
@@ -387,11 +395,23 @@ def check_equal_replicas(obs, steps) -> Verdict:
             if difference <= REPLICA_TOLERANCE:
                 continue
             if number == 1:
-                return verdict(3, "FAIL", f"before the first optimizer step rank {rank}'s weights differ from rank 0's (relative difference {difference:.2f}): the replicas started apart")
+                return verdict(
+                    3,
+                    "FAIL",
+                    f"before the first optimizer step rank {rank}'s weights differ from rank 0's (relative difference {difference:.2f}): the replicas started apart",
+                )
             applied = lab4.relative(steps[number - 2][0]["grads"], steps[number - 2][rank]["grads"])
             if applied > REPLICA_TOLERANCE:  # different gradients, different weights: the gradient's checks say why
-                return verdict(3, "BLOCKED", f"the replicas started equal, but ranks 0 and {rank} applied different gradients in step {number - 1} (relative difference {applied:.1e}): checks 4 and 8 judge those")
-            return verdict(3, "FAIL", f"the replicas started equal and applied the same gradient in step {number - 1}, but before step {number} rank {rank}'s weights differ from rank 0's (relative difference {difference:.1e}): the optimizers differ")
+                return verdict(
+                    3,
+                    "BLOCKED",
+                    f"the replicas started equal, but ranks 0 and {rank} applied different gradients in step {number - 1} (relative difference {applied:.1e}): checks 4 and 8 judge those",
+                )
+            return verdict(
+                3,
+                "FAIL",
+                f"the replicas started equal and applied the same gradient in step {number - 1}, but before step {number} rank {rank}'s weights differ from rank 0's (relative difference {difference:.1e}): the optimizers differ",
+            )
     made = [sum(event["kind"] == "step" for event in obs.events.get(rank, [])) for rank in obs.ranks]
     if len(set(made)) > 1:
         counts = ", ".join(f"rank {rank} {count}" for rank, count in zip(obs.ranks, made))
@@ -412,7 +432,11 @@ def check_global_gradient(obs, steps, reference, others_pass: dict[int, bool]) -
         for rank, record in records.items():
             first = record["micro_batches"][0]["grad_before"]
             if first is not None and float(first.abs().max()) > 0:
-                return verdict(4, "FAIL", f"step {step + 1}'s first backward on rank {rank} added to a gradient left over from step {step}: gradients pile up from step to step")
+                return verdict(
+                    4,
+                    "FAIL",
+                    f"step {step + 1}'s first backward on rank {rank} added to a gradient left over from step {step}: gradients pile up from step to step",
+                )
         ranks = list(records)
         for j, micro_batch in enumerate(records[0]["micro_batches"]):
             expected = [reference.micro_batch(step, rank, j)[0] / ACCUMULATION for rank in ranks]
@@ -422,7 +446,9 @@ def check_global_gradient(obs, steps, reference, others_pass: dict[int, bool]) -
             if micro_batch["synced"]:  # DDP averaged: after = mean over ranks of (before + this micro-batch's gradient)
                 apart = next((rank for rank, after in zip(ranks, afters) if lab4.relative(afters[0], after) > TOLERANCE), None)
                 if apart is not None:
-                    return verdict(4, "FAIL", f"after the all-reducing backward of step {step + 1} ranks 0 and {apart} hold different gradients: they were not averaged")
+                    return verdict(
+                        4, "FAIL", f"after the all-reducing backward of step {step + 1} ranks 0 and {apart} hold different gradients: they were not averaged"
+                    )
                 observed_parts.append(afters[0] - torch.stack(befores).mean(dim=0))
                 expected_parts.append(torch.stack(expected).mean(dim=0))
             else:  # a local backward: after = before + this micro-batch's gradient, on each rank
@@ -433,9 +459,17 @@ def check_global_gradient(obs, steps, reference, others_pass: dict[int, bool]) -
     scale, residual = lab4.best_multiple(observed, expected)
     global_batch = f"{obs.world_size} ranks x {ACCUMULATION} micro-batches of {BATCH_SIZE}"
     if residual > TOLERANCE:
-        return verdict(4, "FAIL", f"the backward passes of the first {REFERENCE_STEPS} steps do not add the mean-loss gradients of their micro-batches: relative difference {lab4.relative(observed, expected):.2f}")
+        return verdict(
+            4,
+            "FAIL",
+            f"the backward passes of the first {REFERENCE_STEPS} steps do not add the mean-loss gradients of their micro-batches: relative difference {lab4.relative(observed, expected):.2f}",
+        )
     if abs(scale - 1) > TOLERANCE:
-        return verdict(4, "FAIL", f"each backward adds {scale:.2f} x its micro-batch's mean-loss gradient / {ACCUMULATION}: the step's gradient is {scale:.2f} x the global batch's ({global_batch})")
+        return verdict(
+            4,
+            "FAIL",
+            f"each backward adds {scale:.2f} x its micro-batch's mean-loss gradient / {ACCUMULATION}: the step's gradient is {scale:.2f} x the global batch's ({global_batch})",
+        )
     gradients = f"every backward of the first {REFERENCE_STEPS} steps added its micro-batch's mean-loss gradient / {ACCUMULATION} to an empty .grad, the all-reducing one averaged over ranks: the global batch's gradient ({global_batch})"
     blocking = [number for number in (3, 8, 9) if not others_pass.get(number)]
     if blocking:
@@ -445,8 +479,16 @@ def check_global_gradient(obs, steps, reference, others_pass: dict[int, bool]) -
         return verdict(4, "PASS", f"{gradients}; {replay}")
     difference, step = replay
     if difference > REPLAY_TOLERANCE:
-        return verdict(4, "FAIL", f"{gradients}, but after {step} steps rank 0's weights are not those of one process with the same optimizer, schedule and clipping on the same global batches (relative difference {difference:.2f})")
-    return verdict(4, "PASS", f"{gradients}; after {REFERENCE_STEPS} steps the weights equal one process's on the same global batches (AdamW, schedule and clipping replayed)")
+        return verdict(
+            4,
+            "FAIL",
+            f"{gradients}, but after {step} steps rank 0's weights are not those of one process with the same optimizer, schedule and clipping on the same global batches (relative difference {difference:.2f})",
+        )
+    return verdict(
+        4,
+        "PASS",
+        f"{gradients}; after {REFERENCE_STEPS} steps the weights equal one process's on the same global batches (AdamW, schedule and clipping replayed)",
+    )
 
 
 def replay_in_one_process(steps, reference) -> tuple[float, int] | str:
@@ -624,7 +666,11 @@ def check_job_metrics(obs, weights, held_out, blocked_by: str | None, own_buffer
     correct, total = count_correct(weights, images, labels), len(labels)
     if abs(reported - correct / total) < 0.5 / total:
         shares = f"{', '.join(str(len(images)) for images in reads.values())} by {named(reads)}" if reads else "by no DataLoader the observer saw"
-        return verdict(6, "PASS", f"the last printed accuracy {reported:.4f} is the saved model's on all {total} held-out images ({correct}/{total}), each scored once ({shares})")
+        return verdict(
+            6,
+            "PASS",
+            f"the last printed accuracy {reported:.4f} is the saved model's on all {total} held-out images ({correct}/{total}), each scored once ({shares})",
+        )
     whole = f"on all {total} held-out images it scores {correct / total:.4f} ({correct}/{total})"
     for rank in obs.ranks:
         seen = sorted(set(obs.batches(rank, "held_out", obs.passes(rank, "held_out") - 1)))
@@ -632,7 +678,11 @@ def check_job_metrics(obs, weights, held_out, blocked_by: str | None, own_buffer
             shard = torch.tensor(seen)
             shard_correct = count_correct(weights, images[shard], labels[shard])
             if abs(reported - shard_correct / len(seen)) < 0.5 / len(seen):
-                return verdict(6, "FAIL", f"the last printed accuracy {reported:.4f} is the saved model's score on the {len(seen)} held-out images rank {rank} evaluated ({shard_correct}/{len(seen)}); {whole}")
+                return verdict(
+                    6,
+                    "FAIL",
+                    f"the last printed accuracy {reported:.4f} is the saved model's score on the {len(seen)} held-out images rank {rank} evaluated ({shard_correct}/{len(seen)}); {whole}",
+                )
     return verdict(6, "FAIL", f"the last printed accuracy is {reported:.4f}, but {whole}")
 
 
@@ -646,7 +696,11 @@ def check_own_buffers_accuracy(obs, weights, images, labels, reads, reported: fl
     if abs(reported - correct / total) < 0.5 / total:
         return verdict(6, "PASS", f"the last printed accuracy {reported:.4f} counts all {total} held-out images once ({correct}/{total}; {shares} by {named(reads)}), "
                                   "each rank's scored with its own BatchNorm statistics: which ones score the job is part B's (check 13)")  # fmt: skip
-    return verdict(6, "FAIL", f"the last printed accuracy is {reported:.4f}, but the ranks' counts on their own images ({shares} by {named(reads)}) sum to {correct}/{total} = {correct / total:.4f}")
+    return verdict(
+        6,
+        "FAIL",
+        f"the last printed accuracy is {reported:.4f}, but the ranks' counts on their own images ({shares} by {named(reads)}) sum to {correct}/{total} = {correct / total:.4f}",
+    )
 
 
 # --- check 7: a clean exit ------------------------------------------------------------------------------
@@ -690,22 +744,38 @@ def check_clipping(obs, steps, reference, gradient_ok: bool) -> Verdict:
         for rank, record in records.items():
             clips, backwards = record["clips"], len(record["micro_batches"])
             if not clips:
-                return verdict(8, "FAIL", f"rank {rank} made no clip_grad_norm_ call in step {number} (clip with torch.nn.utils.clip_grad_norm_, as labs/train_realistic.py does)")
+                return verdict(
+                    8,
+                    "FAIL",
+                    f"rank {rank} made no clip_grad_norm_ call in step {number} (clip with torch.nn.utils.clip_grad_norm_, as labs/train_realistic.py does)",
+                )
             if len(clips) > 1 or clips[0]["after_backwards"] != backwards:
-                return verdict(8, "FAIL", f"rank {rank} called clip_grad_norm_ {len(clips)} times in step {number}, the first after backward {clips[0]['after_backwards']} of {backwards}: it clipped a gradient not yet averaged over ranks, with its own norm")
+                return verdict(
+                    8,
+                    "FAIL",
+                    f"rank {rank} called clip_grad_norm_ {len(clips)} times in step {number}, the first after backward {clips[0]['after_backwards']} of {backwards}: it clipped a gradient not yet averaged over ranks, with its own norm",
+                )
             clip = clips[0]
             if abs(clip["max_norm"] - CLIP_NORM) > 1e-12:
                 return verdict(8, "FAIL", f"rank {rank} clipped to {clip['max_norm']:g}, not to --clip-norm {CLIP_NORM:g}")
             synced = record["micro_batches"][-1]["grad_after"] if record["micro_batches"] else None
             if clip["before"] is not None and synced is not None and lab4.relative(clip["before"], synced) > TOLERANCE:
-                return verdict(8, "FAIL", f"rank {rank}'s clip_grad_norm_ in step {number} was given other gradients than the step's last backward left (relative difference {lab4.relative(clip['before'], synced):.2f})")
+                return verdict(
+                    8,
+                    "FAIL",
+                    f"rank {rank}'s clip_grad_norm_ in step {number} was given other gradients than the step's last backward left (relative difference {lab4.relative(clip['before'], synced):.2f})",
+                )
             coefficient = min(1.0, clip["max_norm"] / (clip["norm"] + 1e-6))
-            if clip["before"] is not None and (lab4.relative(clip["after"], clip["before"] * coefficient) > TOLERANCE or lab4.relative(record["grads"], clip["after"]) > TOLERANCE):
+            if clip["before"] is not None and (
+                lab4.relative(clip["after"], clip["before"] * coefficient) > TOLERANCE or lab4.relative(record["grads"], clip["after"]) > TOLERANCE
+            ):
                 return verdict(8, "FAIL", f"rank {rank}'s gradients in step {number} are not the clipped ones at the optimizer step")
             norms.append(clip["norm"])
         apart = next((rank for rank, norm in enumerate(norms) if abs(norms[0] - norm) > TOLERANCE * max(norms)), None)
         if apart is not None:
-            return verdict(8, "FAIL", f"in step {number} rank 0 clipped with norm {norms[0]:.4f} and rank {apart} with {norms[apart]:.4f}: each clipped its own gradient")
+            return verdict(
+                8, "FAIL", f"in step {number} rank 0 clipped with norm {norms[0]:.4f} and rank {apart} with {norms[apart]:.4f}: each clipped its own gradient"
+            )
         clipped += norms[0] > CLIP_NORM
         first = first if first is not None else norms[0]
     evidence = (
@@ -761,8 +831,16 @@ def check_lr_schedule(obs, steps, train_size: int) -> Verdict:
             if not isinstance(lr, float) or abs(lr - expected[number - 1]) > 1e-9 * factor * PEAK_LR:
                 shown = ", ".join(f"{r[rank]['optimizer']['groups'][0]['settings'].get('lr', float('nan')):.2e}" for r in steps[:6])
                 wanted = ", ".join(f"{value:.2e}" for value in expected[:6])
-                return verdict(9, "FAIL", f"rank {rank}'s learning rate at optimizer step {number} is {lr:.3e}, one process's is {expected[number - 1]:.3e} (steps 1-6: {shown}; one process: {wanted})")
-    return verdict(9, "PASS", f"at each of the {len(steps)} optimizer steps every rank's learning rate is one process's schedule on the global batch (warm-up over {WARMUP_STEPS} steps to the peak {peak} = {factor * PEAK_LR:.3g}, then a cosine)")
+                return verdict(
+                    9,
+                    "FAIL",
+                    f"rank {rank}'s learning rate at optimizer step {number} is {lr:.3e}, one process's is {expected[number - 1]:.3e} (steps 1-6: {shown}; one process: {wanted})",
+                )
+    return verdict(
+        9,
+        "PASS",
+        f"at each of the {len(steps)} optimizer steps every rank's learning rate is one process's schedule on the global batch (warm-up over {WARMUP_STEPS} steps to the peak {peak} = {factor * PEAK_LR:.3g}, then a cosine)",
+    )
 
 
 # --- check 10: accumulation -----------------------------------------------------------------------------
@@ -779,12 +857,24 @@ def check_accumulation(obs, steps) -> Verdict:
             if forwards["synced"] + forwards["unsynced"] == 0:
                 return verdict(10, "BLOCKED", "no forward of a DistributedDataParallel model was seen: no all-reduce to count")
             if forwards["synced"] != 1:
-                return verdict(10, "FAIL", f"in optimizer step {number} rank {rank} ran {forwards['synced']} backward passes that all-reduce (of {count} micro-batches): the gradient is correct (check 4), but it costs {forwards['synced']} x the communication of one all-reduce per optimizer step")
+                return verdict(
+                    10,
+                    "FAIL",
+                    f"in optimizer step {number} rank {rank} ran {forwards['synced']} backward passes that all-reduce (of {count} micro-batches): the gradient is correct (check 4), but it costs {forwards['synced']} x the communication of one all-reduce per optimizer step",
+                )
             if not record["micro_batches"][-1]["synced"]:
-                return verdict(10, "FAIL", f"in optimizer step {number} the all-reducing backward on rank {rank} was not the last micro-batch's: the later ones' gradients stayed local")
+                return verdict(
+                    10,
+                    "FAIL",
+                    f"in optimizer step {number} the all-reducing backward on rank {rank} was not the last micro-batch's: the later ones' gradients stayed local",
+                )
     short = sorted({len(record["micro_batches"]) for records in steps for record in records.values()} - {ACCUMULATION})
     remainder = f" (an epoch's last: {', '.join(map(str, short))})" if short else ""
-    return verdict(10, "PASS", f"every optimizer step ran {ACCUMULATION} micro-batches on each rank{remainder} and only the last one's backward all-reduced: {len(steps)} all-reduces for {len(steps)} optimizer steps ({micro_batches} micro-batches per rank)")
+    return verdict(
+        10,
+        "PASS",
+        f"every optimizer step ran {ACCUMULATION} micro-batches on each rank{remainder} and only the last one's backward all-reduced: {len(steps)} all-reduces for {len(steps)} optimizer steps ({micro_batches} micro-batches per rank)",
+    )
 
 
 # --- check 11: the printed loss -------------------------------------------------------------------------
@@ -812,10 +902,18 @@ def check_printed_loss(obs, steps, reference) -> Verdict:
         if abs(printed - job) > tolerance:
             own = float(losses[speaker].double().mean())
             if abs(printed - own) <= tolerance:
-                return verdict(11, "FAIL", f"the loss printed at step {step}, {text}, is rank {speaker}'s own samples' mean; over every rank's samples since the last line it is {job:.{decimals}f}")
+                return verdict(
+                    11,
+                    "FAIL",
+                    f"the loss printed at step {step}, {text}, is rank {speaker}'s own samples' mean; over every rank's samples since the last line it is {job:.{decimals}f}",
+                )
             return verdict(11, "FAIL", f"the loss printed at step {step} is {text}; over every rank's samples since the last line it is {job:.{decimals}f}")
         previous = step
-    return verdict(11, "PASS", f"rank {speaker} alone printed the loss, {len(lines[speaker])} times, each the mean over every rank's samples since the line before (within half a unit of its last digit)")
+    return verdict(
+        11,
+        "PASS",
+        f"rank {speaker} alone printed the loss, {len(lines[speaker])} times, each the mean over every rank's samples since the line before (within half a unit of its last digit)",
+    )
 
 
 # --- check 12: resume -----------------------------------------------------------------------------------
@@ -849,7 +947,11 @@ def check_resume(straight, resumed, replicas_ok: bool, straight_steps=None) -> V
     saved = str((straight.out_dir / "model.pt").resolve())
     first_save = next((e for e in straight.events.get(0, []) if e["kind"] == "save" and e["path"] == saved), None)
     if first_save is not None and first_save.get("epoch", 0) != RESUME_AFTER_EPOCH - 1:
-        return verdict(12, "FAIL", f"rank 0 first wrote --save during epoch {first_save['epoch'] + 1}, not at the end of epoch {RESUME_AFTER_EPOCH}: a checkpoint every epoch is what a resume starts from")
+        return verdict(
+            12,
+            "FAIL",
+            f"rank 0 first wrote --save during epoch {first_save['epoch'] + 1}, not at the end of epoch {RESUME_AFTER_EPOCH}: a checkpoint every epoch is what a resume starts from",
+        )
     if not replicas_ok:
         return verdict(12, "BLOCKED", "the first run's replicas differ (check 3): a resume from rank 0's file cannot follow them")
     if not resumed.finished:
@@ -859,7 +961,11 @@ def check_resume(straight, resumed, replicas_ok: bool, straight_steps=None) -> V
     for rank in resumed.ranks:
         loads = [e for e in resumed.events.get(rank, []) if e["kind"] == "load" and e["path"] == target]
         if loads and loads[0]["map_location"] is None:
-            return verdict(12, "FAIL", f"rank {rank} loaded the checkpoint without map_location: on GPUs every rank would put the tensors saved from cuda:0 on cuda:0 (the CPU cannot show it; the checker reads the argument)")
+            return verdict(
+                12,
+                "FAIL",
+                f"rank {rank} loaded the checkpoint without map_location: on GPUs every rank would put the tensors saved from cuda:0 on cuda:0 (the CPU cannot show it; the checker reads the argument)",
+            )
         loaded += [rank] if loads else []
     straight_steps = recorded_steps(straight) if straight_steps is None else straight_steps
     resumed_steps, before = recorded_steps(resumed), steps_before_resume(straight)
@@ -874,19 +980,33 @@ def check_resume(straight, resumed, replicas_ok: bool, straight_steps=None) -> V
             differs = resumed_state_differs(straight_records[rank], records[rank])
             if differs:
                 how = "loaded the checkpoint" if rank in loaded else "never loaded the checkpoint (and was not sent its contents)"
-                return verdict(12, "FAIL", f"rank {rank} {how}, but at optimizer step {number} the resumed run had {differs}: every rank must go on from rank 0's file, model, optimizer and scheduler")
+                return verdict(
+                    12,
+                    "FAIL",
+                    f"rank {rank} {how}, but at optimizer step {number} the resumed run had {differs}: every rank must go on from rank 0's file, model, optimizer and scheduler",
+                )
     straight_state, problem = load_checkpoint(straight.out_dir / "model.pt")
     resumed_state, problem_resumed = load_checkpoint(resumed.out_dir / "model.pt")
     if problem or problem_resumed:
         return verdict(12, "BLOCKED", "a final checkpoint is unusable (check 5)")
-    difference = max(lab4.relative(straight_state[name].double(), resumed_state[name].double()) for name in straight_state if straight_state[name].is_floating_point())
+    difference = max(
+        lab4.relative(straight_state[name].double(), resumed_state[name].double()) for name in straight_state if straight_state[name].is_floating_point()
+    )
     if difference > REPLICA_TOLERANCE:
-        return verdict(12, "FAIL", f"resumed after epoch {RESUME_AFTER_EPOCH}, the run ends on other weights than the run that went straight through (relative difference {difference:.1e})")
+        return verdict(
+            12,
+            "FAIL",
+            f"resumed after epoch {RESUME_AFTER_EPOCH}, the run ends on other weights than the run that went straight through (relative difference {difference:.1e})",
+        )
     received = [rank for rank in resumed.ranks if rank not in loaded]
     how = f"{named(loaded)} loaded rank 0's checkpoint of epoch {RESUME_AFTER_EPOCH} (map_location given: checked as present only, the CPU cannot show which device it names)"
     if received:
         how += f", {named(received)} received its contents"
-    return verdict(12, "PASS", f"{how}; at each optimizer step from step {before + 1} on, every rank had the straight run's weights, learning rate and optimizer state, and the run ended on the straight run's weights (relative difference {difference:.0e})")
+    return verdict(
+        12,
+        "PASS",
+        f"{how}; at each optimizer step from step {before + 1} on, every rank had the straight run's weights, learning rate and optimizer state, and the run ended on the straight run's weights (relative difference {difference:.0e})",
+    )
 
 
 # --- check 13: BatchNorm's buffers ----------------------------------------------------------------------
@@ -921,7 +1041,11 @@ def check_batchnorm(obs, saved_weights: dict | None = None) -> Verdict:
             if different:
                 name, off = different
                 saves = ", which are the ones rank 0 saves" if first == 0 else ""
-                return verdict(13, "FAIL", f"in held-out pass {number} rank {rank} scored with other BatchNorm statistics than rank {first}{saves} ({name}: relative difference {off:.1e}): the ranks scored different models")
+                return verdict(
+                    13,
+                    "FAIL",
+                    f"in held-out pass {number} rank {rank} scored with other BatchNorm statistics than rank {first}{saves} ({name}: relative difference {off:.1e}): the ranks scored different models",
+                )
     last = by_pass[max(by_pass)]
     scorers = named(sorted(last))
     if saved_weights is not None:
@@ -929,10 +1053,18 @@ def check_batchnorm(obs, saved_weights: dict | None = None) -> Verdict:
         different = buffer_difference(last[min(last)], saved)
         if different:
             name, off = different
-            return verdict(13, "FAIL", f"the last held-out pass ({scorers}) scored with other BatchNorm statistics than the checkpoint at --save holds ({name}: relative difference {off:.1e}): the printed accuracy is not the saved model's")
+            return verdict(
+                13,
+                "FAIL",
+                f"the last held-out pass ({scorers}) scored with other BatchNorm statistics than the checkpoint at --save holds ({name}: relative difference {off:.1e}): the printed accuracy is not the saved model's",
+            )
     names = [name for name in last[min(last)] if "running" in name]
     who = f"{scorers} scored" if len(last) == 1 else f"{scorers} all scored"
-    return verdict(13, "PASS", f"in each of the {len(by_pass)} held-out passes {who} with the same BatchNorm statistics ({len(names)} running buffers), in the last the ones rank 0 saves")
+    return verdict(
+        13,
+        "PASS",
+        f"in each of the {len(by_pass)} held-out passes {who} with the same BatchNorm statistics ({len(names)} running buffers), in the last the ones rank 0 saves",
+    )
 
 
 # --- all checks -----------------------------------------------------------------------------------------
@@ -962,9 +1094,11 @@ def judge(straight, resumed, part: str = "B") -> list[Verdict]:
 # script did; a hand-written wrapper (lab 6's) even keeps the replicas equal while it sums gradients
 # without dividing. The checks read DDP's own behaviour, so without a DDP model check 4 FAILs with
 # that one reason, and every check that would have passed becomes BLOCKED.
-NOT_CONVERTED = ("no rank trained a torch.nn.parallel.DistributedDataParallel model (no forward of one before an optimizer step): "
-                 "the checks judge DDP's gradient averaging, so a script without it (the one-process script, or a hand-written wrapper) "
-                 "is not a conversion yet; wrap the model in DistributedDataParallel (checks 1 and 5 say where else to start)")
+NOT_CONVERTED = (
+    "no rank trained a torch.nn.parallel.DistributedDataParallel model (no forward of one before an optimizer step): "
+    "the checks judge DDP's gradient averaging, so a script without it (the one-process script, or a hand-written wrapper) "
+    "is not a conversion yet; wrap the model in DistributedDataParallel (checks 1 and 5 say where else to start)"
+)
 NOT_CONVERTED_BLOCKED = "no rank trained a DistributedDataParallel model (check 4): passing this check proves nothing yet"
 
 
@@ -1042,7 +1176,9 @@ def main(argv=None) -> int:
 
     shown = " ".join([*SCRIPT_ARGS, "--save", "<temporary folder>/model.pt"])
     judged = f", part A ({len(PART_A_CHECKS)} of its {len(CHECKS)} checks)" if args.part == "A" else ""
-    print(f"lab 3 conversion checker{judged}: {args.script} on {WORLD_SIZE} gloo ranks ({NODES} one-process nodes), {shown}; then again with --resume", flush=True)
+    print(
+        f"lab 3 conversion checker{judged}: {args.script} on {WORLD_SIZE} gloo ranks ({NODES} one-process nodes), {shown}; then again with --resume", flush=True
+    )
     with tempfile.TemporaryDirectory(prefix="lab3_check_") as out_dir:
         (straight, resumed), verdicts = check(script, Path(out_dir), args.job_timeout_s, args.part)
         if args.show_output:

@@ -249,14 +249,20 @@ def batch_norm_verdict(ranks, full: Run | None, one_process: float | None) -> Ve
         return verdict(10, True, "no BatchNorm layer normalised a batch in training mode")
     smallest, accuracy = min(sizes), full_accuracy(full)
     effect = f"; held-out accuracy {100 * (one_process - accuracy):.0f} points below one process's" if accuracy is not None and one_process else ""
-    return verdict(10, smallest >= MIN_BATCH_NORM_BATCH,
-                   f"the smallest batch a BatchNorm layer normalised in training: {smallest} images per rank (at least {MIN_BATCH_NORM_BATCH})", effect)
+    return verdict(
+        10,
+        smallest >= MIN_BATCH_NORM_BATCH,
+        f"the smallest batch a BatchNorm layer normalised in training: {smallest} images per rank (at least {MIN_BATCH_NORM_BATCH})",
+        effect,
+    )
 
 
 def throughput_verdict(ratio: float | None, failed: list[Verdict]) -> Verdict:
     name = CHECKS[7][0]
     if failed:
-        return Verdict(name, "BLOCKED", f"decided once the checks about each cause pass: {', '.join(v.check for v in failed)} already explain a slowdown", number=7)
+        return Verdict(
+            name, "BLOCKED", f"decided once the checks about each cause pass: {', '.join(v.check for v in failed)} already explain a slowdown", number=7
+        )
     if ratio is None:
         return Verdict(name, "BLOCKED", "no reference run finished beside it: nothing to compare with", number=7)
     return verdict(7, ratio >= MIN_SPEED_RATIO, f"{ratio:.2f}x the reference's samples/s, timed alternately in the same launch (at least {MIN_SPEED_RATIO:g})")
@@ -290,7 +296,11 @@ def timeout_verdict(run: Run | None) -> Verdict:
     if not run.ok:
         return verdict(9, False, f"{case}: {run.why()}")
     if group_timeout > SHORT_TIMEOUT_S:
-        return verdict(9, False, f"{case} finished, but the default group's timeout was {group_timeout:g} s, not the {SHORT_TIMEOUT_S} s asked for: a real hang would now take that long to surface")
+        return verdict(
+            9,
+            False,
+            f"{case} finished, but the default group's timeout was {group_timeout:g} s, not the {SHORT_TIMEOUT_S} s asked for: a real hang would now take that long to surface",
+        )
     return verdict(9, True, f"{case} finished; the default group kept its {group_timeout:g} s timeout")
 
 

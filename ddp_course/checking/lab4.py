@@ -133,7 +133,11 @@ class Observation:
 
 def failure_reason(stderr: str) -> str:
     """The script's own error line, or the first exception a rank printed."""
-    for pattern in (r"^\S+\.py: error: (.*)$", r"^\[rank\d+\]: ([\w.]+(?:Error|Exception): .*)$", r"^([\w.]+(?:Error|Exception): .*)$"):  # [\w.]: _pickle.PicklingError too
+    for pattern in (
+        r"^\S+\.py: error: (.*)$",
+        r"^\[rank\d+\]: ([\w.]+(?:Error|Exception): .*)$",
+        r"^([\w.]+(?:Error|Exception): .*)$",
+    ):  # [\w.]: _pickle.PicklingError too
         found = [re.sub(r"^(\w+: )\[[^\]]*\]\s*", r"\1", line)[:200] for line in re.findall(pattern, stderr, flags=re.MULTILINE)]
         if found:  # a rank that timed out says why; its peer may only see the connection it left
             return next((line for line in found if "Timed out" in line), found[0])
@@ -450,7 +454,9 @@ def check_gradient_scale(steps, problem: str | None, obs: Observation) -> tuple[
     global_batch = f"{obs.world_size} ranks x {BATCH_SIZE} samples"
     if residual > first.tolerance:
         off = relative(first.observed, first.reference)
-        return verdict(7, "FAIL", f"step 1's gradient is not the gradient of the mean loss over the global batch ({global_batch}): relative difference {off:.2f}"), None
+        return verdict(
+            7, "FAIL", f"step 1's gradient is not the gradient of the mean loss over the global batch ({global_batch}): relative difference {off:.2f}"
+        ), None
     if abs(scale - 1) > first.tolerance:
         return verdict(7, "FAIL", f"step 1's gradient is {scale:.2f} x the gradient of the mean loss over the global batch ({global_batch})"), scale
     return verdict(7, "PASS", f"step 1's gradient equals the gradient of the mean loss over the global batch ({global_batch})"), scale
@@ -497,7 +503,9 @@ def load_into_bare_model(state: dict, make_model) -> tuple:
         return model, weights, None
     name, wrapped = type(model).__name__, [key for key in state if key.startswith("module.")]
     if wrapped:
-        evidence = f"its keys start with 'module.' ('{wrapped[0]}'), so it does not load into a bare {name}, which expects '{wrapped[0].removeprefix('module.')}'"
+        evidence = (
+            f"its keys start with 'module.' ('{wrapped[0]}'), so it does not load into a bare {name}, which expects '{wrapped[0].removeprefix('module.')}'"
+        )
     else:
         expected = set(model.state_dict())
         evidence = f"it does not load into a bare {name} (unexpected keys {sorted(set(state) - expected)[:2]}, missing {sorted(expected - set(state))[:2]})"

@@ -678,9 +678,13 @@ def install(recorder: Recorder) -> None:
             group = kwargs.get("group")
             # Every rank makes the calls of a group of all ranks (the default group, or the labs' training_group):
             # they are matched across ranks. A group of some ranks is not.
-            if getattr(inside, "active", False) or not dist.is_initialized() or dist.get_world_size() == 1 or (
-                group is not None and dist.get_world_size(group) != dist.get_world_size()
-            ) or _made_by_the_group_setup():
+            if (
+                getattr(inside, "active", False)
+                or not dist.is_initialized()
+                or dist.get_world_size() == 1
+                or (group is not None and dist.get_world_size(group) != dist.get_world_size())
+                or _made_by_the_group_setup()
+            ):
                 return function(*args, **kwargs)
             call = recorder.announce(op, _describe(op, args, kwargs), _call_site())
             if call["decision"] == "skip":

@@ -122,6 +122,7 @@ def _slurm_runs(runs: Runs) -> None:
     from ddp_course.cluster.slurm_cluster import SlurmCluster  # a module that needs the packages only when it runs
 
     environment = child_environment({}, 1, {"NPROC_PER_NODE": "1"}, use_gpus=False)  # one thread per rank, no GPU
+
     def lab3_args(name):
         return " ".join([*LAB3_FLAGS, "--save", str(runs.weights(name))])
 
@@ -211,6 +212,7 @@ def comparable(found: dict) -> dict:
 
 def lines(found: dict) -> list[str]:
     """The facts as the lab 7 sheet prints them."""
+
     def verdict(entry):
         statuses, stopped = entry["exit statuses"], entry["stopped by the launcher"]
         return f"trained: {statuses == [0, 0]}, exit statuses {statuses}, stopped by the launcher: {stopped}"
@@ -229,12 +231,10 @@ def lines(found: dict) -> list[str]:
         "SLURM 22.05, slurmctld on node1, slurmd on node1 and node2:",
         f"  sbatch --nodes=2 labs/slurm/lab3.sbatch: sacct {sbatch['sacct']}; torchrun tasks started: "
         + ", ".join(f"{node} {count}" for node, count in sbatch["torchrun tasks per node"].items()),
-        f"    weights equal the one-node run's: {sbatch['weights equal the reference']}; "
-        f"held-out accuracy {sbatch['accuracy']}",
+        f"    weights equal the one-node run's: {sbatch['weights equal the reference']}; held-out accuracy {sbatch['accuracy']}",
         f"  the same with RDZV_ENDPOINT={ABSENT_HOST}:{PORT} ({ABSENT_HOST} is down): sacct {wrong['sacct']}",
         f"    {wrong['diagnosis']}",
-        f"  srun -vv in a job of --cpus-per-task=2: without --cpus-per-task '{srun.get('without')}', "
-        f"with it '{srun.get('with')}'",
+        f"  srun -vv in a job of --cpus-per-task=2: without --cpus-per-task '{srun.get('without')}', with it '{srun.get('with')}'",
         f"processes left running after the cluster stopped: {found['left running after the cluster stopped']}",
     ]
 

@@ -121,26 +121,31 @@ def _diagnose_one(text: str) -> Diagnosis:
     if loopback:
         # gloo advertises the address its host's name resolves to (GLOO_SOCKET_IFNAME overrides it);
         # Debian's /etc/hosts line "127.0.1.1 myhost" makes that a loopback address, unreachable from elsewhere.
-        return Diagnosis("wrong interface", (
-            f"gloo dialled a peer at {loopback.group(1)}, a loopback address (its host's name resolves to it): "
-            "set GLOO_SOCKET_IFNAME, or NCCL_SOCKET_IFNAME for NCCL, to the interface the hosts share"))
+        return Diagnosis(
+            "wrong interface",
+            (
+                f"gloo dialled a peer at {loopback.group(1)}, a loopback address (its host's name resolves to it): "
+                "set GLOO_SOCKET_IFNAME, or NCCL_SOCKET_IFNAME for NCCL, to the interface the hosts share"
+            ),
+        )
     if "RendezvousConnectionError" in text:
         no_route = _STORE_NO_ROUTE.search(text)
         if no_route:
-            return Diagnosis("unreachable", (
-                f"no host answers at the rendezvous endpoint {no_route.group(1)} (No route to host): "
-                "it names a host that is down or not there"))
+            return Diagnosis(
+                "unreachable", (f"no host answers at the rendezvous endpoint {no_route.group(1)} (No route to host): it names a host that is down or not there")
+            )
         timed_out = _STORE_CONNECT_TIMEOUT.search(text)
         if timed_out:
-            return Diagnosis("unreachable", (
-                f"the rendezvous endpoint {timed_out.group(2)} did not answer within {timed_out.group(1)} ms: "
-                "a firewall drops its port, or the host is down"))
+            return Diagnosis(
+                "unreachable",
+                (f"the rendezvous endpoint {timed_out.group(2)} did not answer within {timed_out.group(1)} ms: a firewall drops its port, or the host is down"),
+            )
         if re.search(r"Failed to recv|Broken pipe|Connection reset", text):
             return Diagnosis("peer gone", "the agent hosting the rendezvous store ended: read that node's output")
     if "RendezvousTimeoutError" in text:
-        return Diagnosis("rendezvous", (
-            "the other agents did not join before the rendezvous's join_timeout: they could not reach "
-            "this endpoint, or never started"))
+        return Diagnosis(
+            "rendezvous", ("the other agents did not join before the rendezvous's join_timeout: they could not reach this endpoint, or never started")
+        )
     errors = [line for line in text.splitlines() if re.match(r"^[\w.]+(Error|Exception): ", line)]
     return diagnose(RuntimeError(errors[-1] if errors else "no error message"))
 

@@ -205,6 +205,7 @@ REAP_S = 5.0  # then how long close() waits for each process it started before i
 
 def end_processes_in(namespaces, grace_s: float = END_GRACE_S, kill_s: float = END_KILL_S) -> dict[str, list[int]]:
     """End every process in the namespaces: {namespace: pids still there after grace_s + kill_s (normally none)}."""
+
     def listed():
         return [pid for namespace in namespaces for pid in namespace_pids(namespace)]
 

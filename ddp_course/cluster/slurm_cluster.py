@@ -235,9 +235,11 @@ def main(argv=None) -> int:
         print(f"cluster up: slurmctld on node1, slurmd on node1 ({cluster.hosts.addresses['node1']}) "
               f"and node2 ({cluster.hosts.addresses['node2']}); files in {cluster.dir}")  # fmt: skip
         if args.shell:
-            print("try: sinfo; NPROC_PER_NODE=1 OMP_NUM_THREADS=1 LAB3_ARGS='--epochs 3' sbatch --nodes=2 "
-                  "--cpus-per-task=2 --gpus-per-node=0 --output=/tmp/lab3_%j.out labs/slurm/lab3.sbatch; "
-                  "squeue; sacct --completion; cat /tmp/lab3_1.out")
+            print(
+                "try: sinfo; NPROC_PER_NODE=1 OMP_NUM_THREADS=1 LAB3_ARGS='--epochs 3' sbatch --nodes=2 "
+                "--cpus-per-task=2 --gpus-per-node=0 --output=/tmp/lab3_%j.out labs/slurm/lab3.sbatch; "
+                "squeue; sacct --completion; cat /tmp/lab3_1.out"
+            )
             subprocess.run(cluster.hosts.command("node1", [os.environ.get("SHELL", "bash")]), cwd=REPO_ROOT,
                            env=cluster.environment())  # fmt: skip
             return 0

@@ -27,11 +27,11 @@ from pathlib import Path
 ASSETS = Path(__file__).resolve().parent.parent.parent / "assets"
 # One module per diagram, in the order the route meets them.
 MODULES = (
-    "torchrun_processes",      # lecture 1 section 4: torchrun -> processes -> environment -> process group
-    "ddp_backward",            # lecture 4: hooks, buckets, asynchronous all-reduce, the wait
-    "failure_decision_tree",   # lecture 6 section 1: a hang, a wrong result or a crash?
-    "sharded_memory_timeline", # lecture 7: DDP vs FSDP memory over one step, from measured data
-    "lab10_timeline",          # lab 10: each rank's steps split into data wait, compute, communication, waiting
+    "torchrun_processes",  # lecture 1 section 4: torchrun -> processes -> environment -> process group
+    "ddp_backward",  # lecture 4: hooks, buckets, asynchronous all-reduce, the wait
+    "failure_decision_tree",  # lecture 6 section 1: a hang, a wrong result or a crash?
+    "sharded_memory_timeline",  # lecture 7: DDP vs FSDP memory over one step, from measured data
+    "lab10_timeline",  # lab 10: each rank's steps split into data wait, compute, communication, waiting
 )
 
 

@@ -100,8 +100,12 @@ def draw(description: dict):
     # Lane 3: the reducer launches bucket i once it is complete and buckets 0..i-1 are launched.
     for index, x0 in launch_x.items():
         last_ready = max(ready_x[name] for name in description["buckets"][index])
-        ax.annotate("", xy=(x0, lane_y["reducer"] + 0.3), xytext=(last_ready, lane_y["hooks"] - 0.55),
-                    arrowprops={"arrowstyle": "->", "color": "black", "linewidth": 0.8})
+        ax.annotate(
+            "",
+            xy=(x0, lane_y["reducer"] + 0.3),
+            xytext=(last_ready, lane_y["hooks"] - 0.55),
+            arrowprops={"arrowstyle": "->", "color": "black", "linewidth": 0.8},
+        )
         layers = sorted({name.split(".")[0] for name in description["buckets"][index]})
         box(x0 - 0.45, lane_y["reducer"], 0.9, f"bucket {index}\nready", colours[layers[0]], alpha=0.3, fontsize=7)
     # Lane 4: each all-reduce starts at its launch and runs while backward computes the next layers.
@@ -109,17 +113,24 @@ def draw(description: dict):
     for index, x0 in launch_x.items():
         width = 2.6 * step
         box(x0, lane_y["comm"], width, f"all-reduce {index}", "lightgrey", alpha=0.9)
-        ax.annotate("", xy=(x0, lane_y["comm"] + 0.3), xytext=(x0, lane_y["reducer"] - 0.3),
-                    arrowprops={"arrowstyle": "->", "color": "black", "linewidth": 0.8})
+        ax.annotate(
+            "", xy=(x0, lane_y["comm"] + 0.3), xytext=(x0, lane_y["reducer"] - 0.3), arrowprops={"arrowstyle": "->", "color": "black", "linewidth": 0.8}
+        )
         last_event = max(last_event, x0 + width)
     wait_x = last_event + 0.3
     ax.axvline(wait_x, color="black", linestyle="--", linewidth=1)
-    ax.text(wait_x + 0.1, 1.5, "backward() returns:\nevery all-reduce done,\naverages in .grad\n-> optimizer.step()",
-            va="center", fontsize=8)
+    ax.text(wait_x + 0.1, 1.5, "backward() returns:\nevery all-reduce done,\naverages in .grad\n-> optimizer.step()", va="center", fontsize=8)
     backward_done = max(ready_x.values()) + 0.2
     ax.plot([backward_done, wait_x], [lane_y["compute"]] * 2, color="black", linestyle=":", linewidth=1)
-    ax.text((backward_done + wait_x) / 2, lane_y["compute"] + 0.12, "gradients done: waits for the all-reduces",
-            ha="center", va="bottom", fontsize=7.5, style="italic")
+    ax.text(
+        (backward_done + wait_x) / 2,
+        lane_y["compute"] + 0.12,
+        "gradients done: waits for the all-reduces",
+        ha="center",
+        va="bottom",
+        fontsize=7.5,
+        style="italic",
+    )
 
     titles = ["autograd\n(backward)", "per-parameter\nhooks", "reducer\n(buckets)", "communication\n(async)"]
     for (lane, y), title in zip(lane_y.items(), titles):

@@ -16,10 +16,16 @@ FAILURES = [
         "failure": "hang",
         "test": "nothing new is printed,\nno process has exited\n(after the timeout: 'Timed out',\nDistStoreError, ...)",
         "leaves": [
-            ("init_process_group never returns",
-             "init timeout -> DistStoreError (WORLD_SIZE differs)\nor DistNetworkError (nothing at MASTER_ADDR:PORT)", "L6 §1 start-up demos"),
-            ("ranks wait in different collectives\n(one behind `if rank == 0:`)",
-             "TORCH_DISTRIBUTED_DEBUG=DETAIL\n(on gloo: in a reproduction without DDP)", "L6 §1 rank0-only, lab 4 §2"),
+            (
+                "init_process_group never returns",
+                "init timeout -> DistStoreError (WORLD_SIZE differs)\nor DistNetworkError (nothing at MASTER_ADDR:PORT)",
+                "L6 §1 start-up demos",
+            ),
+            (
+                "ranks wait in different collectives\n(one behind `if rank == 0:`)",
+                "TORCH_DISTRIBUTED_DEBUG=DETAIL\n(on gloo: in a reproduction without DDP)",
+                "L6 §1 rank0-only, lab 4 §2",
+            ),
             ("one rank never arrives\n(stuck in I/O, a deadlock)", "dist.monitored_barrier names it;\npy-spy dump --pid PID", "L6 §1 missing-rank"),
             ("at an epoch's end: one rank\nhas more batches", "all-gather the batch counts;\nfix: Join([model])", "L6 §1 uneven, L3 §5"),
             ("a parameter used on some ranks only", "timeout on some ranks, error on others;\nfind_unused_parameters=True", "L4 §2.4"),
@@ -39,8 +45,16 @@ FAILURES = [
         "failure": "crash",
         "test": "a process exits\nwith an error",
         "leaves": [
-            ("every rank raises at the next iteration", "the message; TORCH_DISTRIBUTED_DEBUG=INFO\nnames the parameters without gradients", "L6 §1 unused-param, L4 §2.4"),
-            ("one process dies (exit -9: OOM killer,\n-6: NCCL watchdog, 1: an exception)", "torchrun's report: Root Cause rank and exit code;\n@record adds the traceback", "L6 §1, restart: L6 §5, lab 7"),
+            (
+                "every rank raises at the next iteration",
+                "the message; TORCH_DISTRIBUTED_DEBUG=INFO\nnames the parameters without gradients",
+                "L6 §1 unused-param, L4 §2.4",
+            ),
+            (
+                "one process dies (exit -9: OOM killer,\n-6: NCCL watchdog, 1: an exception)",
+                "torchrun's report: Root Cause rank and exit code;\n@record adds the traceback",
+                "L6 §1, restart: L6 §5, lab 7",
+            ),
         ],
     },
 ]
@@ -51,8 +65,7 @@ def describe() -> dict:
         "question": "A distributed job misbehaves: which failure is it?",
         "first": "every wait has a timeout (init_process_group(timeout=...)), so a hang ends as an error saying where each rank waited",
         "branches": [
-            {"failure": branch["failure"], "test": branch["test"],
-             "leaves": [{"symptom": s, "tool": t, "shown": w} for s, t, w in branch["leaves"]]}
+            {"failure": branch["failure"], "test": branch["test"], "leaves": [{"symptom": s, "tool": t, "shown": w} for s, t, w in branch["leaves"]]}
             for branch in FAILURES
         ],  # fmt: skip
     }

@@ -38,7 +38,7 @@ def describe() -> dict:
         "command": f"torchrun --nnodes={NODES} --nproc_per_node={PROCESSES_PER_NODE} --rdzv-backend=c10d --rdzv-endpoint={ENDPOINT} train.py",
         "rendezvous": f"c10d rendezvous: a key-value store at {ENDPOINT}",
         "nodes": nodes,
-        "process_group": f"init_process_group(\"nccl\"): one process group of {NODES * PROCESSES_PER_NODE} ranks",
+        "process_group": f'init_process_group("nccl"): one process group of {NODES * PROCESSES_PER_NODE} ranks',
         "note": "device from LOCAL_RANK, never from RANK: rank 3 uses cuda:1 on node1",
     }
 

@@ -425,8 +425,10 @@ def run_demos(rank: int, world_size: int, trace_dir: str | None) -> dict:
 def require_forward_sync_buffers() -> None:
     """One clear line, not a traceback per rank, on a torch older than the course's (seen with 2.11)."""
     if "forward_sync_buffers" not in inspect.signature(DDP.__init__).parameters:
-        sys.exit(f"ddp_internals_demos.py: DDP in torch {torch.__version__} has no forward_sync_buffers argument "
-                 "(the BatchNorm demo needs it); install the torch that requirements.txt pins")
+        sys.exit(
+            f"ddp_internals_demos.py: DDP in torch {torch.__version__} has no forward_sync_buffers argument "
+            "(the BatchNorm demo needs it); install the torch that requirements.txt pins"
+        )
 
 
 def main() -> None:

@@ -104,8 +104,7 @@ def init_only(args) -> int:
     except RuntimeError as error:  # DistStoreError and DistNetworkError are RuntimeErrors
         # When, in words that do not change from run to run: the store retries until the timeout.
         when = "after" if time.monotonic() - started >= timeout_s else "before"
-        print(f"[rank {rank}] init_process_group raised {type(error).__name__} {when} the {timeout_s:g} s timeout: "
-              f"{diagnose(error, rank)}", flush=True)
+        print(f"[rank {rank}] init_process_group raised {type(error).__name__} {when} the {timeout_s:g} s timeout: {diagnose(error, rank)}", flush=True)
         return 1
     print(f"[rank {rank}] init_process_group formed a job of {dist.get_world_size()}", flush=True)
     dist.destroy_process_group()
@@ -183,8 +182,7 @@ def unused_parameter(rank: int) -> dict:
         except RuntimeError as error:
             lines = str(error).splitlines()
             named = [line.split(": ", 1)[1] for line in lines if line.startswith("Parameters which did not receive grad")]
-            return {"raised_at_iteration": iteration, "first_sentence": lines[0].split(". ")[0] + ".",
-                    "unused_named": named[0] if named else None}
+            return {"raised_at_iteration": iteration, "first_sentence": lines[0].split(". ")[0] + ".", "unused_named": named[0] if named else None}
     return {"raised_at_iteration": None}
 
 
@@ -233,8 +231,7 @@ def lab7_hangs(ctx, scenarios, timeout_s) -> dict:
 
 def run(ctx, args) -> dict:
     facts = {"order_swap": order_swap(ctx.rank)}
-    facts["replicas_identical"] = {"load_after_wrap_on_rank0": train_two_steps(True, ctx.rank),
-                                   "load_before_wrap_everywhere": train_two_steps(False, ctx.rank)}
+    facts["replicas_identical"] = {"load_after_wrap_on_rank0": train_two_steps(True, ctx.rank), "load_before_wrap_everywhere": train_two_steps(False, ctx.rank)}
     facts["unused_parameter"] = unused_parameter(ctx.rank)
     facts["flight_recorder"] = flight_recorder(ctx.rank, args)
     if args.lab7_scenarios:  # after the flight recorder's dump: their collectives do not crowd its buffer

@@ -200,8 +200,12 @@ def memory_and_bytes(stage: str, group, device: torch.device, **fsdp_options) ->
     with count_collectives(sys.modules[__name__]) as counter, bytes_written() as written:  # this module's aliases too
         step(inputs, targets)  # nothing else written meanwhile: what this process wrote is what it sent
     held = model_state_bytes(parameters, optimizer)
-    facts = {"held": held, "calls": dict(sorted(counter.bytes_by_kind().items())), "wire": counter.ring_model_bytes_per_rank(world),
-             "written": written["bytes"] if dist.get_backend(group) == "gloo" else None}  # NCCL does not write() its bytes
+    facts = {
+        "held": held,
+        "calls": dict(sorted(counter.bytes_by_kind().items())),
+        "wire": counter.ring_model_bytes_per_rank(world),
+        "written": written["bytes"] if dist.get_backend(group) == "gloo" else None,
+    }  # NCCL does not write() its bytes
     weights = torch.cat([full(p).detach().cpu().flatten() for p in model.parameters()])  # to compare with DDP's
     del model, step, parameters, optimizer
     return facts, weights
@@ -270,8 +274,10 @@ def phases_in_trace(group, device, reshard_after_forward: bool = True, forward_p
     first = events[0][0]
     # gloo runs a collective on its own worker thread ("gloo:all_gather", "gloo:all_reduce": gloo's
     # reduce-scatter); each one starts inside the FSDP span whose call issued it.
-    spans = {kind: [(s, e) for s, e, name in events if name.startswith(prefix)]
-             for kind, prefix in (("all_gather", "FSDP::all_gather ("), ("reduce_scatter", "FSDP::post_backward_reduce"))}
+    spans = {
+        kind: [(s, e) for s, e, name in events if name.startswith(prefix)]
+        for kind, prefix in (("all_gather", "FSDP::all_gather ("), ("reduce_scatter", "FSDP::post_backward_reduce"))
+    }
     gloo = [(s, e) for s, e, name in recorded if name.startswith("gloo:")]
     inside = sum(any(s <= gs and ge <= e for s, e in spans["all_gather"] + spans["reduce_scatter"]) for gs, ge in gloo)
     step_start, step_end = next((s, e) for s, e, name in recorded if name == "training step")
@@ -381,8 +387,11 @@ def main() -> None:
     args = parser.parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:  # every rank sees the same; rank 0 says it, before any group exists
         if os.environ.get("RANK", "0") == "0":
-            print("sharding_demos.py: error: run it under torchrun on 2 or more ranks (the lecture uses "
-                  "--nproc_per_node=4); the 2-rank numbers use ranks 0-1", file=sys.stderr, flush=True)
+            print(
+                "sharding_demos.py: error: run it under torchrun on 2 or more ranks (the lecture uses --nproc_per_node=4); the 2-rank numbers use ranks 0-1",
+                file=sys.stderr,
+                flush=True,
+            )
         return 2
     started = time.perf_counter()
     if args.backend == "nccl":

@@ -59,8 +59,13 @@ def planned_runs() -> dict[tuple, Run]:
     runs[("flags", "--epochs", "1")] = Run(2, LAB2, ["--epochs", "1"], 2, alone=True)  # argparse (docstring)
     for nproc in JOIN_RANKS:
         runs[("join", nproc)] = Run(nproc, LAB2_JOIN, ["--join", "--timeout-s", "30", "--json", "{out}/r.json"], 0)
-    runs[("no join",)] = Run(2, LAB2_JOIN, ["--timeout-s", "3", "--json", "{out}/r.json"], 1,  # last: see the docstring
-                             late_start={"rank": 1, "seconds": LATE_START_S})
+    runs[("no join",)] = Run(
+        2,
+        LAB2_JOIN,
+        ["--timeout-s", "3", "--json", "{out}/r.json"],
+        1,  # last: see the docstring
+        late_start={"rank": 1, "seconds": LATE_START_S},
+    )
     return runs
 
 

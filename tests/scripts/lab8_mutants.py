@@ -46,6 +46,7 @@ SOLUTION = REPO_ROOT / "solutions" / "minifsdp.py"
 def summing(module):
     """The reduce-scatter sums: every slice's gradient is world_size times the average. It calls the
     collective through torch.distributed when it runs, so the lab's collective counter still sees it."""
+
     def reduce_scatter_sum(out, flat, *args, **kwargs):
         collective = getattr(module.dist, "reduce_scatter_single", None) or module.dist.reduce_scatter_tensor
         return collective(out, flat * module.dist.get_world_size(), *args, **kwargs)
@@ -74,6 +75,7 @@ def never_freeing(module):
 
 def solved_up_to(last_part: int):
     """The exercise as generated from the solution, with parts 1 to last_part solved (a fresh module)."""
+
     def build(name):
         text = make_exercise(SOLUTION.read_text(), exercise_header("solutions/minifsdp.py", "labs/minifsdp.py"),
                              parts=range(last_part + 1, 4))  # fmt: skip
@@ -87,6 +89,7 @@ def solved_up_to(last_part: int):
 
 def from_file(folder: str, mutate=None):
     """labs/ or solutions/ minifsdp.py, freshly imported, changed by mutate if given."""
+
     def build(name):
         module = import_script(REPO_ROOT / folder / "minifsdp.py", name)
         return mutate(module) if mutate else module

@@ -453,13 +453,9 @@ def sharded_run(ctx, group, optimizer_cls, kwargs) -> dict:
     """The same full-batch gradients on every rank of the group: sharded, unsharded and torch's ZeRO step them."""
     replicas = {kind: build(ZeroNet) for kind in ("sharded", "unsharded", "torch_zero")}
     optimizers = {
-        "sharded": minddp.ShardedOptimizer(
-            replicas["sharded"].parameters(), optimizer_cls, process_group=group, **kwargs
-        ),
+        "sharded": minddp.ShardedOptimizer(replicas["sharded"].parameters(), optimizer_cls, process_group=group, **kwargs),
         "unsharded": optimizer_cls(replicas["unsharded"].parameters(), **kwargs),
-        "torch_zero": ZeroRedundancyOptimizer(
-            replicas["torch_zero"].parameters(), optimizer_class=optimizer_cls, process_group=group, **kwargs
-        ),
+        "torch_zero": ZeroRedundancyOptimizer(replicas["torch_zero"].parameters(), optimizer_class=optimizer_cls, process_group=group, **kwargs),
     }
     for step in range(STEPS):
         for kind, model in replicas.items():

@@ -291,11 +291,7 @@ def full_weights_only_around_use(ctx):
     after_backward = gathered()  # freed by the reduce-scatter hooks, not by finish_gradient_synchronization()
     model.finish_gradient_synchronization()
     shapes["outside"] = tuple(mlp_in.weight.shape)
-    ok = (
-        shapes == {"forward": (64, 16), "outside": (64 // ctx.world_size, 16)}
-        and max(held) == 1
-        and after_forward == after_backward == 0
-    )
+    ok = shapes == {"forward": (64, 16), "outside": (64 // ctx.world_size, 16)} and max(held) == 1 and after_forward == after_backward == 0
     return ok, (
         f"mlp weight in forward {shapes['forward']}, outside {shapes['outside']}; full weights held: at most "
         f"{max(held)} during forward, {after_forward} after forward, {after_backward} after backward"
@@ -401,9 +397,7 @@ def optimizer_state_is_the_slices(ctx):
 
 def rows_share(model, world_size) -> int:
     """Elements per rank if every matrix is split into world_size slices of ceil(rows / world_size) rows."""
-    return sum(
-        minifsdp.rows_per_rank(h.shape[0], world_size) * h.shard[0].numel() for h in model.sharded.values()
-    )
+    return sum(minifsdp.rows_per_rank(h.shape[0], world_size) * h.shard[0].numel() for h in model.sharded.values())
 
 
 # --- the exercise, part by part ----------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def test_core_and_deep_dive_sections_are_marked(site):
     assert '<section class="deep-dive" id="course-lecture-4-s3">' in page, "lecture 4 section 3 is not marked as a deep dive"
     assert '<section class="core" id="course-lecture-4-s2">' in page
     assert page.count("course-tag-deep-dive") >= 5 and "course-tag-core" in page
-    assert "[deep dive]" not in page.split('<main')[1]  # the tag became a mark, not left as text
+    assert "[deep dive]" not in page.split("<main")[1]  # the tag became a mark, not left as text
     assert "core-only-switch" in page
 
 
