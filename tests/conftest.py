@@ -236,6 +236,10 @@ def unit_runs_start_no_process(request):
     # `fc-list` to build its font cache, so that import happens before the refusal starts.
     with contextlib.suppress(ImportError):
         import matplotlib.font_manager  # noqa: F401
+    # Likewise torch's first import: its CUDA path finder looks for libdl with ctypes.util.find_library, which
+    # runs `/sbin/ldconfig -p` (a unit module whose tests are the first to import torch failed when run alone).
+    with contextlib.suppress(ImportError):
+        import torch  # noqa: F401
     undo = refuse_processes(UNIT_ONLY_REASON)
     yield
     undo()
