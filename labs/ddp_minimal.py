@@ -16,9 +16,8 @@ from ddp_course.cli import positive_float, positive_int
 from ddp_course.data import load_digits
 from ddp_course.models import DigitsCNN
 
-# ---- NOT PART OF DDP: gloo (CPU) jobs on torch 2.14 can abort at exit ("terminate called without an active exception")
-# when the group outlives destroy_process_group(): DDP imports this module after init, and its group= defaults hold the group
-# (imported first, they hold None); DDP's reference cycles live until gc.collect() (main's end). See ddp_course/distributed.py.
+# ---- NOT PART OF DDP: on torch 2.14 a gloo (CPU) job can abort at exit ("terminate called without an active exception") if its group
+# outlives destroy_process_group(): imported after init (as DDP does), this module's group= defaults hold it; imported first, None. Also gc.collect() in main.
 import torch.distributed.nn.functional  # noqa: E402,F401
 
 

@@ -145,9 +145,9 @@ def train(ctx, args) -> dict:
     model = DigitsCNN(splits.num_classes, batch_norm=True).to(ctx.device)
     # The same global batch in micro-batches 8 times smaller, 8 times as many: 8 times less activation memory.
     args.batch_size, args.accum_steps = args.batch_size // 8, args.accum_steps * 8
-    ddp_model = DDP(
-        model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None, find_unused_parameters=True, bucket_cap_mb=0.01
-    )  # small buckets: communication starts sooner in backward
+    ddp_model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
+                    find_unused_parameters=True,
+                    bucket_cap_mb=0.01)  # small buckets: communication starts sooner in backward
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=args.lr, momentum=0.9)
     amp = choose_amp(ctx.device, args.amp)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp.use_grad_scaler)
