@@ -129,7 +129,7 @@ def test_section_references_are_links_to_their_section(site):
     page = html_of(site, "lectures/06_debugging_fault_tolerance.ipynb")
     assert 'href="07_sharded_data_parallelism.html#course-lecture-7-s6"><span class="std std-ref">lecture 7 §6' in page
     checklist = (site / "labs" / "convert_checklist.html").read_text()
-    assert 'href="../lectures/04_ddp_internals.html#course-lecture-4-s1-2"' in checklist  # "lecture 4 §1.2"
+    assert 'href="../lectures/04_ddp_internals.html#course-lecture-4-s4-1"' in checklist  # "lecture 4 §4.1"
     assert 'id="course-lecture-7-s6"' in html_of(site, "lectures/07_sharded_data_parallelism.ipynb")
     assert website.check_site(site) == []  # every such link and its anchor resolve
 
