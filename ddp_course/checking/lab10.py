@@ -238,6 +238,7 @@ def signature_verdicts(run: Run, ranks, job: dict, effect: str) -> dict[int, Ver
 
 
 def full_accuracy(run: Run | None) -> float | None:
+    """The held-out accuracy a finished full training wrote to its --metrics-json; None otherwise."""
     return (run.metrics or {}).get("eval_accuracy") if run is not None and run.ok else None
 
 
@@ -274,7 +275,7 @@ def accuracy_verdict(run: Run | None, one_process: float | None) -> Verdict:
         return Verdict(name, "BLOCKED", "the full training was not run", number=8)
     if not run.ok:
         return Verdict(name, "BLOCKED", f"the full training: {run.why()}", number=8)
-    accuracy = (run.metrics or {}).get("eval_accuracy")
+    accuracy = full_accuracy(run)
     if one_process is None:
         return Verdict(name, "BLOCKED", "the one-process reference run did not finish", number=8)
     if accuracy is None:
