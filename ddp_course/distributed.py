@@ -176,24 +176,31 @@ def setup_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistCo
     timeout = timedelta(seconds=timeout_s)
 
     resolved = choose_backend(backend, local_world_size)
+    store = None
     try:
-        resolved, device = _join_group(backend, resolved, rank, local_rank, world_size, local_world_size, timeout, launched_by_torchrun)
+        if launched_by_torchrun and backend == "auto" and world_size != local_world_size:
+            resolved, store = agree_across_nodes(rank, world_size, resolved, timeout)
+        device = _join_group(resolved, rank, local_rank, world_size, timeout, store, launched_by_torchrun)
     except RuntimeError as error:  # torch's DistError family, and gloo's connect failures, are RuntimeErrors
         raise join_failure(rank, resolved, error) from None
     return DistContext(rank, local_rank, world_size, resolved, device)
 
 
-def _join_group(backend, resolved, rank, local_rank, world_size, local_world_size, timeout, launched_by_torchrun):
-    """setup_distributed's network part: agree on the backend across nodes, pick the device, form the
-    group. Returns (the job's backend, this rank's device)."""
-    store = None
-    if launched_by_torchrun and backend == "auto" and world_size != local_world_size:
-        # The same rendezvous init_process_group("env://") makes, done first so that we can use its store.
-        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-        store.set_timeout(timeout)
-        resolved, without_nccl = agree_on_backend(store, rank, world_size, resolved, timeout)
-        if resolved == "gloo" and len(without_nccl) < world_size:
-            log(f"note: ranks {without_nccl} cannot use NCCL on their node, so the whole job uses gloo on the CPU")
+def agree_across_nodes(rank: int, world_size: int, my_choice: str, timeout: timedelta):
+    """--backend auto in a job of several nodes: one backend for the whole job (agree_on_backend), and
+    the store to form the default group with. Returns (the job's backend, that store)."""
+    # The same rendezvous init_process_group("env://") makes, done first so that we can use its store.
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    backend, without_nccl = agree_on_backend(store, rank, world_size, my_choice, timeout)
+    if backend == "gloo" and len(without_nccl) < world_size:
+        log(f"note: ranks {without_nccl} cannot use NCCL on their node, so the whole job uses gloo on the CPU")
+    return backend, dist.PrefixStore("default_pg", store)  # as init_process_group does with its own rendezvous's store
+
+
+def _join_group(resolved, rank, local_rank, world_size, timeout, store, launched_by_torchrun) -> torch.device:
+    """setup_distributed's network part: pick the device, form the group (with `store` when the nodes
+    agreed through it). Returns this rank's device."""
     if resolved == "nccl":
         # The device comes from LOCAL_RANK, never from RANK: on node 1 of a 2x8 job RANK is 8..15.
         device = torch.device("cuda", local_rank)
@@ -205,14 +212,13 @@ def _join_group(backend, resolved, rank, local_rank, world_size, local_world_siz
     if resolved == "nccl":
         options["device_id"] = device  # binds the group to this GPU (no guessing at the first barrier)
     if store is not None:
-        # As init_process_group does with the store of its own rendezvous.
-        dist.init_process_group(store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size, **options)
+        dist.init_process_group(store=store, rank=rank, world_size=world_size, **options)
     elif launched_by_torchrun:
         dist.init_process_group(**options)  # reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
     else:
         # An in-memory store: a group of one needs no network port.
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **options)
-    return resolved, device
+    return device
 
 
 def training_group(timeout_s: float) -> dist.ProcessGroup:

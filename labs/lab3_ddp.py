@@ -19,17 +19,19 @@ ranks), not for rank 0 alone; samples/s is this epoch's, data loading included. 
 records the learning curve: "history", the job-wide train loss every --log-every optimizer steps
 (default 10: 23 points over the default 230 steps), and "epochs", one entry per epoch line.
 
-Where it has run: the course's tests run every CPU path here (gloo, 1 and 2 processes). The GPU
-path (NCCL, --amp) is written to the same rules (device from LOCAL_RANK, collectives on the rank's
-GPU) but has not been run yet: treat your first GPU run as its test.
+Where it has run: the course's tests run every CPU path (gloo, 1 and 2 processes); NCCL and --amp
+have run on one GPU (README, "What has run on a GPU"), never on several: your first multi-GPU run is their test.
 """
 
 import argparse
 import contextlib
 import itertools
 import math
+import os
 import sys
 import time
+from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -41,17 +43,13 @@ from ddp_course.amp import choose_amp
 from ddp_course.checkpoint import atomic_save, atomic_write_json, latest_checkpoint
 from ddp_course.cli import CourseArgumentParser, CourseError, non_negative_int, positive_float, positive_int
 from ddp_course.data import DATASETS, load_dataset
-from ddp_course.distributed import BACKENDS, log, log_error, setup_distributed, teardown_distributed
+from ddp_course.distributed import BACKENDS, DistContext, agree_across_nodes, choose_backend, join_failure, log, log_error, teardown_distributed
 from ddp_course.models import MODEL_FOR_DATASET, build_model
 from ddp_course.seeding import dataloader_seed, seed_everything
 from ddp_course.training import (
     copy_rank0_buffers, cpu_state_dict, evaluate, held_out_loader, rank0_decides, restore_training_state,
     save_training_state,
 )  # fmt: skip
-
-# Where a restart continues: the epoch and the micro-batches of it already done (ddp_course.training
-# holds the rest of the checkpoint: weights, optimizer, step, every rank's RNG state).
-POSITION_KEYS = ("epoch", "step_in_epoch")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,24 +88,76 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def restore(args, model_name, model, optimizer, scaler, ctx) -> dict:
-    """Load the newest checkpoint into model, optimizer and generators; return where to continue."""
-    start = {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
+def join_process_group(requested_backend: str, timeout_s: float) -> DistContext:
+    """Join the job torchrun started (plain `python`: a group of one) and choose this rank's device: the
+    steps of ddp_course.distributed.setup_distributed(), which the other labs call, written out."""
+    launched_by_torchrun = "RANK" in os.environ  # torchrun tells each process who it is
+    rank = int(os.environ.get("RANK", "0"))  # unique in the job: 0 .. world_size - 1
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # unique on this node: which of its GPUs
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    timeout = timedelta(seconds=timeout_s)  # bounds every wait in the group, joining included: a lost rank is an error
+    backend = choose_backend(requested_backend, local_world_size)  # auto: nccl if every process here has a GPU
+    store = None
+    try:
+        if launched_by_torchrun and requested_backend == "auto" and world_size != local_world_size:
+            # Nodes can differ (GPUs on one, none on another), and ranks on two backends never meet:
+            # the ranks agree on one through torchrun's store, then form the group with that store.
+            backend, store = agree_across_nodes(rank, world_size, backend, timeout)
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")  # LOCAL_RANK: RANK is 8..15 on node 1 of 2x8
+        options = {"backend": backend, "timeout": timeout}
+        if backend == "nccl":
+            torch.cuda.set_device(device)  # before the group forms: NCCL works on the current device
+            options["device_id"] = device  # binds the group to this GPU (no guessing at the first barrier)
+        if store is not None:
+            dist.init_process_group(store=store, rank=rank, world_size=world_size, **options)
+        elif launched_by_torchrun:
+            dist.init_process_group(**options)  # env://: reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+        else:  # an in-memory store: a group of one needs no network port
+            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **options)
+    except RuntimeError as error:  # torch's DistError family, and gloo's connect failures
+        raise join_failure(rank, backend, error) from None  # one line naming this rank, not a traceback
+    return DistContext(rank, local_rank, world_size, backend, device)
+
+
+@dataclass
+class TrainingState:
+    """Everything a restart needs, as one object: the model, optimizer and scaler, the optimizer steps done,
+    and where training continues (in `epoch`, after `step_in_epoch` of its micro-batches). The checkpoint
+    adds every rank's RNG state (ddp_course.training); save and load are collectives: every rank calls them."""
+
+    model_name: str
+    model: torch.nn.Module  # the bare model, not the DDP wrapper: its keys have no "module."
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+
+    def save(self, directory, ctx) -> None:
+        position = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
+        save_training_state(directory, self.global_step, ctx, self.model_name, self.model, self.optimizer, self.scaler, **position)
+
+    def load(self, path, ctx) -> None:
+        saved = restore_training_state(path, self.model_name, self.model, self.optimizer, self.scaler, ctx, ("epoch", "step_in_epoch"))
+        self.epoch, self.step_in_epoch, self.global_step = saved["epoch"], saved["step_in_epoch"], saved["global_step"]
+
+
+def restore(state: TrainingState, args, ctx) -> None:
+    """With --resume, load the newest checkpoint into state; without, state stays at step 0."""
     if not args.checkpoint_dir:
-        return start
+        return
     # Rank 0 lists the directory for every rank: on a shared filesystem another node may still see
     # an older listing, and ranks must never load different checkpoints (ddp_course.training.rank0_decides).
     path = rank0_decides(lambda: latest_checkpoint(args.checkpoint_dir), ctx)
     if not args.resume:
         if path is not None:  # refuse, rather than overwrite another run's checkpoints
             raise CourseError(f"{args.checkpoint_dir} already holds checkpoints: add --resume, or use an empty directory")
-        return start
-    if path is None:
+    elif path is None:
         log(f"no checkpoint in {args.checkpoint_dir} yet: starting from step 0")
-        return start
-    state = restore_training_state(path, model_name, model, optimizer, scaler, ctx, POSITION_KEYS)
-    log(f"resumed from {path}: epoch {state['epoch']}, step {state['global_step']}")
-    return {key: state[key] for key in start}
+    else:
+        state.load(path, ctx)
+        log(f"resumed from {path}: epoch {state.epoch}, step {state.global_step}")
 
 
 def train(ctx, args) -> dict:
@@ -133,7 +183,9 @@ def train(ctx, args) -> dict:
         f"epochs={args.epochs} max_steps={args.max_steps} amp={amp.dtype_name} seed={args.seed}"
     )
     log(f"local_rank {ctx.local_rank} trains on {ctx.device}", every_rank=True)
-    start = restore(args, model_name, model, optimizer, scaler, ctx)
+    state = TrainingState(model_name, model, optimizer, scaler)
+    restore(state, args, ctx)
+    first_epoch, first_skip = state.epoch, state.step_in_epoch  # where this run starts: after a resume, mid-epoch
 
     # DDP broadcasts rank 0's weights to all ranks, then all-reduces gradients during backward().
     ddp_model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
@@ -151,16 +203,15 @@ def train(ctx, args) -> dict:
     eval_loader = held_out_loader(splits.test, ctx, num_workers=min(workers, 2))
 
     samples_per_rank = len(sampler)  # the same on every rank: DistributedSampler pads the last shard
-    global_step = start["global_step"]
     train_loss, accuracy, last_saved_step, epochs, history = None, None, None, [], []
     interval_loss = torch.zeros(2, device=ctx.device)  # [loss sum, samples] since the last history point
     max_steps = args.max_steps or math.inf
-    for epoch in range(start["epoch"], args.epochs):
-        if global_step >= max_steps:
+    for epoch in range(first_epoch, args.epochs):
+        if state.global_step >= max_steps:
             break
         sampler.set_epoch(epoch)  # without it every epoch repeats epoch 0's order
         loader_generator.manual_seed(dataloader_seed(args.seed, ctx.rank, epoch))
-        skip = start["step_in_epoch"] if epoch == start["epoch"] else 0  # batches done before a resume
+        skip = first_skip if epoch == first_epoch else 0  # batches done before a resume
         epoch_loss = torch.zeros(2, device=ctx.device)  # [sum of per-sample losses, samples] on this rank
         batches_done, epoch_start = skip, time.perf_counter()
         for images, labels in itertools.islice(loader, skip, None):
@@ -191,14 +242,14 @@ def train(ctx, args) -> dict:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-            global_step += 1
-            if global_step % args.log_every == 0:  # every rank reaches the same steps: the all-reduce matches
-                history.append(history_point(interval_loss, global_step, epoch))
-            if args.checkpoint_every and global_step % args.checkpoint_every == 0:
-                position = resume_position(epoch, batches_done, len(loader))
-                save(args, model_name, model, optimizer, scaler, *position, global_step, ctx)
-                last_saved_step = global_step
-            if global_step >= max_steps:
+            state.global_step += 1
+            if state.global_step % args.log_every == 0:  # every rank reaches the same steps: the all-reduce matches
+                history.append(history_point(interval_loss, state.global_step, epoch))
+            if args.checkpoint_every and state.global_step % args.checkpoint_every == 0:
+                state.epoch, state.step_in_epoch = resume_position(epoch, batches_done, len(loader))
+                state.save(args.checkpoint_dir, ctx)
+                last_saved_step = state.global_step
+            if state.global_step >= max_steps:
                 break
 
         dist.all_reduce(epoch_loss)  # the job's loss, not rank 0's: sum over ranks, then divide
@@ -213,27 +264,27 @@ def train(ctx, args) -> dict:
         correct, total = evaluate(model, eval_loader, ctx)
         accuracy = correct / total
         epochs.append({
-            "epoch": epoch + 1, "step": global_step, "train_loss": train_loss, "eval_accuracy": accuracy,
+            "epoch": epoch + 1, "step": state.global_step, "train_loss": train_loss, "eval_accuracy": accuracy,
             "samples": int(epoch_loss[1]), "train_seconds": epoch_seconds, "samples_per_s": samples_per_s,
         })  # fmt: skip
         log(
-            f"epoch {epoch + 1}/{args.epochs} step {global_step} | train loss {train_loss:.4f} | "
+            f"epoch {epoch + 1}/{args.epochs} step {state.global_step} | train loss {train_loss:.4f} | "
             f"held-out accuracy {accuracy:.2%} ({correct}/{total}) | {samples_per_s:.0f} samples/s"
         )
-        if args.checkpoint_dir and last_saved_step != global_step:
-            position = resume_position(epoch, batches_done, len(loader))
-            save(args, model_name, model, optimizer, scaler, *position, global_step, ctx)
-            last_saved_step = global_step
+        if args.checkpoint_dir and last_saved_step != state.global_step:
+            state.epoch, state.step_in_epoch = resume_position(epoch, batches_done, len(loader))
+            state.save(args.checkpoint_dir, ctx)
+            last_saved_step = state.global_step
 
     if int(interval_loss[1]) > 0:  # the steps after the last history point (the same count on every rank)
-        history.append(history_point(interval_loss, global_step, epoch))
+        history.append(history_point(interval_loss, state.global_step, epoch))
     if args.save and ctx.is_main:
         atomic_save(cpu_state_dict(model), args.save)
     return {
         "world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
         "dataset": args.dataset, "model": model_name, "per_rank_batch_size": args.batch_size,
         "accumulation_steps": accumulation,
-        "global_batch_size": global_batch, "lr": args.lr, "amp": amp.dtype_name, "steps": global_step,
+        "global_batch_size": global_batch, "lr": args.lr, "amp": amp.dtype_name, "steps": state.global_step,
         "samples_per_s_after_first_epoch": throughput_after_first_epoch(epochs),
         "train_loss": train_loss, "eval_accuracy": accuracy, "log_every": args.log_every,
         "history": history, "epochs": epochs,
@@ -270,17 +321,10 @@ def resume_position(epoch: int, batches_done: int, batches_per_epoch: int) -> tu
     return (epoch + 1, 0) if batches_done >= batches_per_epoch else (epoch, batches_done)
 
 
-def save(args, model_name, model, optimizer, scaler, epoch, step_in_epoch, global_step, ctx) -> None:
-    """Everything a restart needs; (epoch, step_in_epoch) is where training continues."""
-    save_training_state(
-        args.checkpoint_dir, global_step, ctx, model_name, model, optimizer, scaler, epoch=epoch, step_in_epoch=step_in_epoch
-    )  # fmt: skip
-
-
 def main(args) -> int:
     started = time.perf_counter()
     try:
-        ctx = setup_distributed(args.backend, timeout_s=args.timeout_s)
+        ctx = join_process_group(args.backend, timeout_s=args.timeout_s)
         metrics = train(ctx, args)  # returns plain numbers: the DDP model is out of reach now
         metrics["wall_s"] = time.perf_counter() - started
         if args.metrics_json and ctx.is_main:
@@ -290,7 +334,9 @@ def main(args) -> int:
         log_error(str(error))
         return 1
     finally:
-        teardown_distributed()  # gc.collect(), then destroy_process_group()
+        # dist.destroy_process_group(), after a gc.collect() that is no part of DDP: a gloo exit quirk
+        # (the DDP wrapper's reference cycles keep the group alive; CONTRIBUTING.md, "gloo teardown").
+        teardown_distributed()
 
 
 if __name__ == "__main__":

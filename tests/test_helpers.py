@@ -1,6 +1,7 @@
 """Unit tests of the shared helpers in ddp_course/ (single process, no torchrun unless stated)."""
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -146,6 +147,96 @@ def test_nodes_with_different_gpus_agree_on_one_backend(monkeypatch):
     for thread in ranks:
         thread.join(timeout=15)
     assert answers == {0: ("gloo", [1]), 1: ("gloo", [1])}
+
+
+# Lab 3 writes the set-up out (join_process_group) where every other lab calls setup_distributed(): the
+# two must take the same steps. Each case: torchrun's variables, GPUs on this node, --backend, and for a
+# two-node job the backend every other rank chose (posted in torchrun's store, as agree_on_backend reads it).
+NODE_RANK_1 = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+TWO_NODES_RANK_9 = {"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+TWO_NODES_RANK_0 = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+SET_UP_CASES = {  # name: (environment, GPUs, --backend, the other node's choice, what both must do)
+    "plain python": ({}, 0, "auto", None, "gloo cpu HashStore"),
+    "2 CPU ranks": (NODE_RANK_1, 0, "auto", None, "gloo cpu env://"),
+    "2 GPU ranks": (NODE_RANK_1, 2, "auto", None, "nccl cuda:1 env://"),
+    "gloo asked on GPUs": (NODE_RANK_1, 2, "gloo", None, "gloo cpu env://"),
+    "more ranks than GPUs": (NODE_RANK_1, 1, "auto", None, "gloo cpu env://"),
+    "no LOCAL_WORLD_SIZE, 1 GPU": ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, 1, "auto", None, "gloo cpu env://"),
+    "nccl asked, no GPU": (NODE_RANK_1, 0, "nccl", None, "CourseError"),
+    "2 nodes of 8 GPUs": (TWO_NODES_RANK_9, 8, "auto", "nccl", "nccl cuda:1 PrefixStore"),
+    "2 nodes, one without GPUs": (TWO_NODES_RANK_0, 8, "auto", "gloo", "gloo cpu PrefixStore"),
+    "2 nodes, nccl asked": (TWO_NODES_RANK_9, 8, "nccl", None, "nccl cuda:1 env://"),
+    "the group cannot form": (NODE_RANK_1, 2, "auto", None, "GroupJoinError"),
+}  # fmt: skip
+INIT_SIGNATURE = inspect.signature(dist.init_process_group)  # torch's own, read before a test replaces it
+
+
+def set_up_steps(set_up, monkeypatch, capsys, environment, gpus, backend, others_chose, case):
+    """Run set_up(backend, timeout_s=7) with torch's process-group calls recorded instead of made; return
+    (the calls in order, with init_process_group's arguments as torch binds them, the result, the output)."""
+    from datetime import timedelta
+
+    for name in (*JOB_VARIABLES, "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    fake_gpus(monkeypatch, gpus)
+    calls = []
+
+    def init_process_group(*args, **kwargs):
+        bound = INIT_SIGNATURE.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        if arguments["store"] is not None:
+            arguments["store"] = type(arguments["store"]).__name__  # a new store each call: compare its kind
+        calls.append(("init_process_group", arguments))
+        if case == "the group cannot form":
+            raise RuntimeError("Connection refused\nat the first try")
+
+    def rendezvous(url, rank, world_size, timeout):
+        calls.append(("rendezvous", url, rank, world_size, timeout))
+        store = dist.HashStore()  # stands in for torchrun's store; every other rank has posted its choice
+        for other in range(world_size):  # 8 ranks per node: this node's others chose as this rank will
+            if other != rank:
+                store.set(f"ddp_course/backend/0/{other}", others_chose if other // 8 != rank // 8 else "nccl")
+        yield store, rank, world_size
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(dist, "rendezvous", rendezvous)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    try:
+        result = set_up(backend, timeout_s=7)
+    except Exception as error:  # a refusal: compare its type and its one line
+        result = (type(error).__name__, str(error))
+    assert all(call[0] != "init_process_group" or call[1]["timeout"] == timedelta(seconds=7) for call in calls)
+    output = capsys.readouterr()
+    return calls, result, (output.out, output.err)
+
+
+def summary(calls, result) -> str:
+    """What a set-up did, in the words of SET_UP_CASES."""
+    if isinstance(result, tuple):
+        return result[0]
+    [(_, arguments)] = [call for call in calls if call[0] == "init_process_group"]
+    return f"{result.backend} {result.device} {arguments['store'] or 'env://'}"
+
+
+@pytest.mark.parametrize("case", SET_UP_CASES)
+def test_lab3s_inline_set_up_takes_the_steps_of_setup_distributed(monkeypatch, capsys, case):
+    lab3 = import_script(REPO_ROOT / "labs" / "lab3_ddp.py")
+    environment, gpus, backend, others_chose, expected = SET_UP_CASES[case]
+    inline = set_up_steps(lab3.join_process_group, monkeypatch, capsys, environment, gpus, backend, others_chose, case)
+    helper = set_up_steps(distributed.setup_distributed, monkeypatch, capsys, environment, gpus, backend, others_chose, case)
+    assert inline == helper  # the same calls with the same arguments, the same context or error, the same output
+    calls, result, (out, err) = inline
+    assert summary(calls, result) == expected
+    if expected.startswith("nccl"):  # the device is set before the group forms, and the group is bound to it
+        assert [call[0] for call in calls][-2:] == ["set_device", "init_process_group"]
+        assert calls[-2][1] == calls[-1][1]["device_id"] == torch.device("cuda", 1)
+    if case == "2 nodes, one without GPUs":
+        assert "note: ranks [8, 9, 10, 11, 12, 13, 14, 15] cannot use NCCL on their node" in out  # rank 0 speaks
+    if case == "the group cannot form":  # rank 1 writes its own one line
+        assert "error: rank 1 could not join the nccl process group: RuntimeError: Connection refused" in err
 
 
 @pytest.mark.parametrize(("rank", "every_rank", "expected"), [("0", False, "hello\n"), ("1", False, ""), ("1", True, "[rank 1] hello\n")])
