@@ -11,13 +11,12 @@ Launch from the repository root:
     resume after a crash:             add --checkpoint-dir ckpt (and --resume on the restart)
     a 4x bigger global batch:         add --accumulation-steps 4 (4 micro-batches per optimizer step)
 
-What you should see with the defaults: rank 0 prints the configuration (global batch 64 = 32 per
-rank x 2 ranks) and one line per epoch; the job-wide train loss falls from about 1.9 after the
-first epoch to about 0.001, and the held-out accuracy passes 97% by epoch 3 and ends near 99%,
-in about 10 s on a 2-core CPU. Every number printed is for the whole job (all-reduced over
-ranks), not for rank 0 alone; samples/s is this epoch's, data loading included. --metrics-json also
-records the learning curve: "history", the job-wide train loss every --log-every optimizer steps
-(default 10: 23 points over the default 230 steps), and "epochs", one entry per epoch line.
+What you should see with the defaults: rank 0 prints the configuration (global batch 64 = 32 per rank x 2
+ranks) and one line per epoch; the job-wide train loss falls from about 1.9 after the first epoch to about
+0.001, and the held-out accuracy passes 97% by epoch 3 and ends near 99%, in about 10 s on a 2-core CPU.
+Every number printed is for the whole job (all-reduced over ranks), not for rank 0 alone; samples/s is this
+epoch's, data loading included. --metrics-json also records the learning curve: "history", the job-wide
+train loss every --log-every optimizer steps (default 10: 23 points over 230 steps), and "epochs", one per epoch.
 
 Where it has run: the course's tests run every CPU path (gloo, 1 and 2 processes); NCCL and --amp
 have run on one GPU (README, "What has run on a GPU"), never on several: your first multi-GPU run is their test.
@@ -104,7 +103,8 @@ def join_process_group(requested_backend: str, timeout_s: float) -> DistContext:
             # Nodes can differ (GPUs on one, none on another), and ranks on two backends never meet:
             # the ranks agree on one through torchrun's store, then form the group with that store.
             backend, store = agree_across_nodes(rank, world_size, backend, timeout)
-        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")  # LOCAL_RANK: RANK is 8..15 on node 1 of 2x8
+        # The GPU comes from LOCAL_RANK, never from RANK: on node 1 of a 2x8 job RANK is 8..15.
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
         options = {"backend": backend, "timeout": timeout}
         if backend == "nccl":
             torch.cuda.set_device(device)  # before the group forms: NCCL works on the current device
@@ -144,7 +144,7 @@ class TrainingState:
 
 
 def restore(state: TrainingState, args, ctx) -> None:
-    """With --resume, load the newest checkpoint into state; without, state stays at step 0."""
+    """With --resume, load the newest checkpoint into state; else keep step 0 and refuse a directory that has one."""
     if not args.checkpoint_dir:
         return
     # Rank 0 lists the directory for every rank: on a shared filesystem another node may still see
@@ -283,8 +283,7 @@ def train(ctx, args) -> dict:
     return {
         "world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
         "dataset": args.dataset, "model": model_name, "per_rank_batch_size": args.batch_size,
-        "accumulation_steps": accumulation,
-        "global_batch_size": global_batch, "lr": args.lr, "amp": amp.dtype_name, "steps": state.global_step,
+        "accumulation_steps": accumulation, "global_batch_size": global_batch, "lr": args.lr, "amp": amp.dtype_name, "steps": state.global_step,
         "samples_per_s_after_first_epoch": throughput_after_first_epoch(epochs),
         "train_loss": train_loss, "eval_accuracy": accuracy, "log_every": args.log_every,
         "history": history, "epochs": epochs,
