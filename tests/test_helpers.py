@@ -6,6 +6,7 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import pytest
 import torch
@@ -174,8 +175,6 @@ INIT_SIGNATURE = inspect.signature(dist.init_process_group)  # torch's own, read
 def set_up_steps(set_up, monkeypatch, capsys, environment, gpus, backend, others_chose, case):
     """Run set_up(backend, timeout_s=7) with torch's process-group calls recorded instead of made; return
     (the calls in order, with init_process_group's arguments as torch binds them, the result, the output)."""
-    from datetime import timedelta
-
     for name in (*JOB_VARIABLES, "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(name, raising=False)
     for name, value in environment.items():
