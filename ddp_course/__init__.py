@@ -14,6 +14,8 @@ Only the boring parts live here; each lab keeps inline the DDP lines it teaches.
                  each rank's rows, job-wide maxima, eps-derived tolerances, deadlines and step timing
     sharded_training  the harness labs 8 and 9 share: DDP, ZeRO-1, ZeRO-2, an FSDP, fully_shard built,
                  stepped, checked against one process and weighed alike; lab 9's memory timeline and verdict
+    fsdp_practice  what lab 9's six demos share (their batches, fully_shard on the transformer, a checkpoint
+                 folder every rank agrees on, the one-process reference) and each demo's verdict line
     checkpoint   atomic, rank-0 checkpoints that load with weights_only=True
     training     what lab 3 and lab 7 share: training-state save/restore (model, optimizer, position in
                  the epoch, every rank's RNG state), job-wide evaluation, rank 0's buffers, CPU weights
@@ -37,8 +39,8 @@ Then what the other audiences use (the learner's runtime is above):
                  lines (kept at the top: every notebook links them by these paths); lecture04_models is
                  lecture 4's model and DDP instruments, shared by its demo script, checks and figure
     grade        python -m ddp_course.grade: every exercise of the learner, one table (the learner's command)
-    checking/    what judges a learner's work by running it: the lab 3, lab 4 and lab 10 checkers, the
-                 observer they launch, one Verdict type, the one list of collectives the tools wrap, and
+    checking/    what judges a learner's work by running it: the lab 3, 4, 6, 8 and 10 checkers, the
+                 observer labs 3 and 4 launch, one Verdict type, the one list of collectives the tools wrap, and
                  the tests' many-runs-in-one-launch runner
     cluster/     stand-ins for a cluster on one machine: several torchrun agents as nodes, network
                  namespaces as hosts, a real two-node SLURM cluster, lab 3 run across them

@@ -4,8 +4,8 @@ Lab 8 runs lab 6's character transformer (ddp_course.char_lm_job) under six impl
 ZeRO-2, an FSDP written from scratch, fully_shard and fully_shard with reshard_after_forward=False - and
 checks each against one process; lab 9 weighs the same six over a whole AdamW step. Both need the same
 harness: wrap a fresh model, give it its optimizer, step it, name what it keeps and what it has gathered.
-That harness lives here, so that lab 9 uses lab 8's without loading lab 8's script, and each lab's script
-keeps what it teaches (lab 8: the verdicts on the learner's FSDP; lab 9: six short demos).
+That harness lives here, so that lab 9 uses lab 8's without loading lab 8's script; lab 8's verdicts on
+the learner's FSDP are ddp_course/checking/lab8.py, and lab 9's script keeps its six short demos.
 
 The from-scratch code a learner reads or writes is not here: solutions/minddp.py (lab 6's ShardedOptimizer),
 labs/minizero2.py (ZeRO-2) and labs/ or solutions/minifsdp.py (the FSDP). The package never imports a

@@ -28,6 +28,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ddp_course.char_lm_job import median_ratio, my_rows
+from ddp_course.checking.lab6 import verdict
 from ddp_course.launch import REPO_ROOT, import_script, run_torchrun
 from ddp_course.profiling import overlap_summary, read_traces
 
@@ -423,27 +425,27 @@ def test_impl_choices_and_bucket_caps(lab6):
     assert lab6.parse_args([]).module == "labs"  # the exercise by default
 
 
-def test_shards_are_disjoint_and_cover_the_global_batch(lab6):
+def test_shards_are_disjoint_and_cover_the_global_batch():
     batch = torch.arange(12).reshape(6, 2)
-    shards = [lab6.my_rows(batch, SimpleNamespace(rank=r, world_size=3)) for r in range(3)]
+    shards = [my_rows(batch, SimpleNamespace(rank=r, world_size=3)) for r in range(3)]
     assert torch.equal(torch.cat(shards), batch)
 
 
-def test_verdicts(lab6):
+def test_verdicts():
     tolerance = 1e-5
-    assert lab6.verdict("naive", {"max_abs_diff_vs_single_process": 1e-7, "max_abs_diff_vs_torch_ddp": 0.0}, tolerance) == "PASS"
-    assert lab6.verdict("naive", {"max_abs_diff_vs_single_process": 1e-7, "max_abs_diff_vs_torch_ddp": 1e-3}, tolerance) == "FAIL"
-    assert lab6.verdict("overlap", {"max_abs_diff_vs_single_process": 1e-3, "max_abs_diff_vs_torch_ddp": 0.0}, tolerance) == "FAIL"
-    assert lab6.verdict("no sync", {"max_abs_diff_vs_single_process": 1e-2, "max_abs_diff_vs_torch_ddp": 1e-2}, tolerance) == "differs (control)"
+    assert verdict("naive", {"max_abs_diff_vs_single_process": 1e-7, "max_abs_diff_vs_torch_ddp": 0.0}, tolerance) == "PASS"
+    assert verdict("naive", {"max_abs_diff_vs_single_process": 1e-7, "max_abs_diff_vs_torch_ddp": 1e-3}, tolerance) == "FAIL"
+    assert verdict("overlap", {"max_abs_diff_vs_single_process": 1e-3, "max_abs_diff_vs_torch_ddp": 0.0}, tolerance) == "FAIL"
+    assert verdict("no sync", {"max_abs_diff_vs_single_process": 1e-2, "max_abs_diff_vs_torch_ddp": 1e-2}, tolerance) == "differs (control)"
     # A control that matches would mean the check cannot tell synchronised from unsynchronised replicas.
-    assert lab6.verdict("no sync", {"max_abs_diff_vs_single_process": 0.0, "max_abs_diff_vs_torch_ddp": 0.0}, tolerance) != "differs (control)"
+    assert verdict("no sync", {"max_abs_diff_vs_single_process": 0.0, "max_abs_diff_vs_torch_ddp": 0.0}, tolerance) != "differs (control)"
 
 
-def test_ratios_pair_timings_of_the_same_repeat(lab6):
+def test_ratios_pair_timings_of_the_same_repeat():
     """The machine slowed down tenfold during repeat 2, between naive's and torch's timings: the median of
     paired ratios is still 2, where the ratio of the medians (20 / 5.5) would say 3.6."""
     times = {"naive": [2.0, 20.0, 20.0, 20.0], "torch": [1.0, 1.0, 10.0, 10.0], "no sync": [0.5, 5.0, 5.0, 5.0]}
-    assert lab6.median_ratio(times, "naive", "torch") == 2.0
+    assert median_ratio(times, "naive", "torch") == 2.0
     assert statistics.median(times["naive"]) / statistics.median(times["torch"]) > 3.5
-    assert lab6.median_ratio(times, "no sync", "naive") == 0.25
-    assert lab6.median_ratio(times, "naive", "missing") is None
+    assert median_ratio(times, "no sync", "naive") == 0.25
+    assert median_ratio(times, "naive", "missing") is None

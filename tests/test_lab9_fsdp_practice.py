@@ -16,6 +16,7 @@ import math
 
 import pytest
 
+from ddp_course import fsdp_practice as practice
 from ddp_course import sharded_training, sharding
 from ddp_course.authoring.notebooks import stored_cell
 from ddp_course.cli import CourseError
@@ -185,8 +186,8 @@ def test_world_sizes_that_do_not_divide_8_split_the_global_batch_evenly(n):
     assert len(verdicts) == (3 if n == 3 else 4) and all(line.rstrip().endswith("PASS") for line in verdicts), result.stdout
 
 
-def test_the_global_batch_is_a_multiple_of_the_world_size(lab9):
-    sizes = {n: lab9.windows_per_step(n) for n in (2, 3, 4, 5, 6, 7, 8, 9, 10, 16)}
+def test_the_global_batch_is_a_multiple_of_the_world_size():
+    sizes = {n: practice.windows_per_step(n) for n in (2, 3, 4, 5, 6, 7, 8, 9, 10, 16)}
     assert sizes == {2: 8, 3: 9, 4: 8, 5: 10, 6: 12, 7: 14, 8: 8, 9: 9, 10: 10, 16: 16}
 
 

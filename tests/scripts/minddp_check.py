@@ -34,15 +34,14 @@ from torch.nn.parallel import DistributedDataParallel
 from ddp_course.compare import max_relative_difference
 from ddp_course.distributed import setup_distributed, teardown_distributed
 from ddp_course.authoring.exercises import exercise_header, make_exercise
+from ddp_course.checking.lab6 import GatedNet, TwoBranchNet, small_batch
 from ddp_course.launch import REPO_ROOT, import_script
 
 SOLUTION = REPO_ROOT / "solutions" / "minddp.py"
 EXERCISE = REPO_ROOT / "labs" / "minddp.py"
 minddp = import_script(SOLUTION, "minddp")
-# The lab's own check runs these two small models on the learner's module too: one copy, in the lab script.
+# The lab's own check runs these two small models on the learner's module too: one copy, in lab 6's checks.
 # GatedNet: `extra` used by rank 0 only, `never` by no rank. TwoBranchNet: a rank-dependent gradient order.
-lab6 = import_script(REPO_ROOT / "labs" / "lab6_ddp_from_scratch.py", "lab6_ddp_from_scratch")
-GatedNet, TwoBranchNet = lab6.GatedNet, lab6.TwoBranchNet
 RANK_DEPENDENT_GRAPHS = (GatedNet,)  # the function itself depends on the rank (TwoBranchNet's does not)
 
 STEPS = 5
@@ -87,7 +86,7 @@ class ZeroNet(nn.Sequential):
 
 
 def batch(step, rows=BATCH):
-    return lab6.small_batch(step, rows)
+    return small_batch(step, rows)
 
 
 def build(model_cls, seed=0):
