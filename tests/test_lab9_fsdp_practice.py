@@ -13,8 +13,10 @@ refused in this process.
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from ddp_course import fsdp_practice as practice
 from ddp_course import sharded_training, sharding
@@ -172,18 +174,34 @@ def test_a_training_state_saved_on_2_ranks_resumes_on_4(fresh):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("n", [3, 5])
-def test_world_sizes_that_do_not_divide_8_split_the_global_batch_evenly(n):
-    """3 ranks (8 windows would split 3, 3, 2: the mean of the ranks' means is not the batch's, and clipping
-    FAILed) and 5 (chunk() splits 8 windows into 4 pieces of 2, fewer pieces than ranks, and rank 4 raised
-    IndexError in meta and clip; 9 ranks, more ranks than windows, failed the same way at 9 processes' cost):
-    every rank gets windows_per_step(n) / n whole windows, and every part that runs PASSes."""
+def test_a_world_size_that_does_not_divide_8_runs_meta_and_clip():
+    """3 ranks, for real: 8 windows would split 3, 3, 2 (the mean of the ranks' means is not the batch's, and
+    clipping FAILed); with windows_per_step(3) = 9 every part that runs PASSes. The split itself is proven at
+    every world size up to 16 in this process (test_every_rank_gets_an_equal_share_of_whole_windows), which is
+    why one odd world size is launched and not several: 5 ranks (where chunk() once made 4 pieces of 2 and rank
+    4 raised IndexError in meta and clip) cost this launch's 4 processes again on 2 cores for the same split."""
     from ddp_course.launch import run_torchrun
 
-    result = run_torchrun(LAB9, ["--parts", "clip" if n == 3 else "meta,clip"], nproc=n, timeout_s=500)
+    result = run_torchrun(LAB9, ["--parts", "meta,clip"], nproc=3, timeout_s=500)
     assert result.ok, result.describe()
     verdicts = [line for line in result.stdout.splitlines() if line.rstrip().endswith(("PASS", "FAIL"))]
-    assert len(verdicts) == (3 if n == 3 else 4) and all(line.rstrip().endswith("PASS") for line in verdicts), result.stdout
+    assert len(verdicts) == 4 and all(line.rstrip().endswith("PASS") for line in verdicts), result.stdout
+
+
+@pytest.mark.parametrize("n", range(2, 17))
+def test_every_rank_gets_an_equal_share_of_whole_windows(n):
+    """local_batch() on every rank of an n-rank job (no process group: the ranks are DistContexts here): equal
+    shares, and together, in rank order, exactly the global batch: no window twice, none left out."""
+    from ddp_course.distributed import DistContext
+
+    args = SimpleNamespace(seed=0)  # the one flag global_batch() reads
+    tokens = torch.arange(200) % 17
+    contexts = [DistContext(rank, 0, n, "gloo", torch.device("cpu")) for rank in range(n)]
+    whole = practice.global_batch(args, contexts[0], tokens, step=3)
+    shares = [practice.local_batch(args, ctx, tokens, step=3) for ctx in contexts]
+    assert {len(inputs) for inputs, _ in shares} == {practice.windows_per_step(n) // n}
+    for part, full in zip(zip(*shares), whole):
+        assert torch.equal(torch.cat(part), full)
 
 
 def test_the_global_batch_is_a_multiple_of_the_world_size():
