@@ -126,3 +126,42 @@ def check_exercise_3(halving_doubling_seconds) -> None:
     for world_size in (8, 1024):
         ring, hd = (f(100e6, world_size, ALPHA, BETA) * 1e3 for f in (ring_seconds, halving_doubling_seconds))
         print(f"  100 MB over {world_size:>4} ranks, milliseconds: ring {ring:5.2f}, halving-doubling {hd:5.2f}")
+
+
+# --- section 1's pictures (the drawing, out of the reader's way; the notebook calls them in one line) ---
+
+RANK_COLOURS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
+
+
+def draw_ranks(ax, tensors, title: str) -> None:
+    """One row per rank, one box per value; colour = the hundreds digit (rank r+1), grey = a sum."""
+    import matplotlib.pyplot as plt  # only when drawing: the checks above run without matplotlib
+
+    for rank, tensor in enumerate(tensors):
+        ax.text(-0.3, -rank, f"rank {rank}", ha="right", va="center", fontsize=8)
+        if tensor is None:
+            ax.text(0, -rank, "undefined", va="center", fontsize=8, color="0.5")
+            continue
+        for column, value in enumerate(tensor.tolist()):
+            owner = int(value // 100) - 1
+            colour = RANK_COLOURS[owner] if owner < len(tensors) else "0.8"
+            ax.add_patch(plt.Rectangle((column, -rank - 0.4), 0.95, 0.8, color=colour, alpha=0.6))
+            ax.text(column + 0.47, -rank, f"{value:g}", ha="center", va="center", fontsize=7)
+    ax.set_xlim(-1.6, 9.2)
+    ax.set_ylim(-len(tensors) + 0.4, 0.6)
+    ax.set_title(title, fontsize=9)
+    ax.axis("off")
+
+
+def draw_barrier(arrivals: list[float], departures: list[float]) -> None:
+    """Each rank's work (colour), its wait at the barrier (hatched) and the common departure (dashed)."""
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots(figsize=(6, 1.8))
+    for rank, (arrive, leave) in enumerate(zip(arrivals, departures)):
+        ax.barh(rank, arrive, color=RANK_COLOURS[rank], alpha=0.6)
+        ax.barh(rank, leave - arrive, left=arrive, color="none", edgecolor="0.4", hatch="//")
+    ax.axvline(max(arrivals), color="black", linestyle="--")
+    ax.set(yticks=range(len(arrivals)), yticklabels=[f"rank {r}" for r in range(len(arrivals))], xlabel="time (s)",
+           title="barrier: work (colour), waiting (hatched), everyone leaves together (dashed)")  # fmt: skip
+    ax.invert_yaxis()

@@ -145,3 +145,22 @@ def check_exercise_3(BlockDistributedSampler) -> None:  # noqa: N803 - the learn
     except NotImplementedError:
         return _not_solved(3, "BlockDistributedSampler")
     _verdict(3, ok)
+
+
+def draw_coverage(counts: torch.Tensor, title: str, ax) -> None:
+    """Section 4's heat-map of a (ranks, n) read-count table: rows are the ranks, then their total; columns
+    the sample ids. A correct epoch has a total row of ones (anything else is printed red)."""
+    table = torch.cat([counts, counts.sum(dim=0, keepdim=True)])
+    ranks, n = counts.shape
+    ax.imshow(table, cmap="Blues", vmin=0, vmax=3, aspect="auto")
+    for row in range(table.shape[0]):
+        for sample in range(n):
+            value = int(table[row, sample])
+            is_total = row == ranks
+            colour = "red" if is_total and value != 1 else "black"
+            ax.text(sample, row, str(value), ha="center", va="center", fontsize=7, color=colour,
+                    fontweight="bold" if is_total else "normal")  # fmt: skip
+    ax.set_yticks(range(table.shape[0]), [f"rank {r}" for r in range(ranks)] + ["total"], fontsize=8)
+    ax.set_xticks(range(n), range(n), fontsize=7)
+    ax.set_xlabel("sample id", fontsize=8)
+    ax.set_title(title, fontsize=9)

@@ -167,3 +167,32 @@ SELF_CHECK = Question(
     "choose): of the stages that fit, which sends the fewest bytes?",
     relative_tolerance=0.0,
 )
+
+
+def draw_held_bytes(memory: dict, stages: dict[str, str], parameters: int) -> None:
+    """Section 1's bars: the kB each rank holds after a step (parameters, gradients, optimizer state), per stage
+    and rank, on 2 and 4 ranks. memory is the job report's {"STAGE/N": [per-rank {"held": {...}}]}."""
+    import matplotlib.pyplot as plt  # only when drawing
+
+    colours = {"parameters": "tab:blue", "gradients": "tab:orange", "optimizer_state": "tab:green"}
+    _, axes = plt.subplots(1, 2, figsize=(11, 3.6), sharey=True)
+    for axis, n in zip(axes, (2, 4)):
+        position, ticks, labels = 0, [], []
+        for stage, label in stages.items():
+            for r, rank in enumerate(memory[f"{stage}/{n}"]):
+                bottom = 0
+                for term, colour in colours.items():
+                    kb = rank["held"][term] / 1e3
+                    axis.bar(position, kb, bottom=bottom, color=colour, label=term if position == 0 else None)
+                    bottom += kb
+                ticks.append(position)
+                labels.append(f"r{r}")
+                position += 1
+            axis.text(position - n / 2 - 0.5, 16 * parameters / 1e3 * 1.03, label.split(" ")[0], ha="center", fontsize=9)
+            position += 1
+        axis.set_xticks(ticks, labels, fontsize=7)
+        axis.set_title(f"N = {n} ranks")
+    axes[0].set_ylabel("kB held per rank")
+    axes[0].legend(loc="upper right", fontsize=8)
+    plt.suptitle("What each rank holds after a step (measured): DDP, ZeRO-1, ZeRO-2, ZeRO-3")
+    plt.tight_layout()
