@@ -152,6 +152,30 @@ def marker_of(path) -> str | None:
     return next((marker for marker, modules in MODULES_BY_MARKER.items() if path.stem in modules), None)
 
 
+# pytest-xdist (pytest.ini: `-n 2`) runs two test files at a time, each file whole on one worker, in order,
+# so that its module fixtures launch its jobs once. Files that share a session fixture's launches are one
+# unit of work, on one worker, or each worker would launch them again.
+SHARED_LAUNCH_GROUPS = {
+    "test_lab8_fsdp": "sharding_checks", "test_lab9_fsdp_practice": "sharding_checks", "test_minddp": "sharding_checks",
+    "test_minifsdp": "sharding_checks", "test_lab2_join": "lab2_launches", "test_lab2_sampler": "lab2_launches",
+}  # fmt: skip
+
+with contextlib.suppress(ImportError):  # without xdist the suite runs one file at a time
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesSharingLaunchesTogether(LoadFileScheduling):
+        """xdist's `--dist loadfile`, with the files of SHARED_LAUNCH_GROUPS as one unit each. (Its
+        `--dist loadgroup` would do it with marks, but it changes every test's id, and nbval then starts a
+        new kernel for every cell.)"""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SHARED_LAUNCH_GROUPS.get(os.path.splitext(os.path.basename(path))[0], path)
+
+    def pytest_xdist_make_scheduler(config, log):
+        return FilesSharingLaunchesTogether(config, log)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -168,10 +192,31 @@ def pytest_collection_modifyitems(config, items):
 _SUITE_TMPDIR: dict[str, str] = {}
 
 
+TMPDIR_BEFORE_SUITE = "DDP_COURSE_TMPDIR_BEFORE_SUITE"  # what TMPDIR was before the suite (for xdist's workers)
+
+
 def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        keep_the_controllers_folders()
+        return
     tempfile.gettempdir()  # fixes this process's own temporary folder before TMPDIR changes
-    _SUITE_TMPDIR["previous"] = os.environ.get("TMPDIR", "")
+    _SUITE_TMPDIR["previous"] = os.environ[TMPDIR_BEFORE_SUITE] = os.environ.get("TMPDIR", "")
     _SUITE_TMPDIR["folder"] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="ddp_course_suite_")
+
+
+def keep_the_controllers_folders():
+    """An xdist worker (`-n 2`) starts with TMPDIR already the suite's folder, which the controller removes at
+    the end. Its own temporary folder must be the controller's, not that folder: mkdtemp makes it readable by
+    root alone, and munged (tests/test_multinode.py) refuses a socket under a folder that others cannot enter."""
+    suite_folder = os.environ["TMPDIR"]
+    before = os.environ.get(TMPDIR_BEFORE_SUITE, "")
+    if before:
+        os.environ["TMPDIR"] = before
+    else:
+        os.environ.pop("TMPDIR", None)
+    tempfile.tempdir = None  # gettempdir() looks again, at TMPDIR as it was before the suite
+    tempfile.gettempdir()
+    os.environ["TMPDIR"] = suite_folder
 
 
 def pytest_unconfigure(config):

@@ -1,6 +1,7 @@
 """Every test module has one marker (unit, torchrun or cluster; notebook cells get notebook), from the lists in
 tests/conftest.py, so `pytest -m unit` is a fast inner loop that a new module cannot silently join or leave."""
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -56,3 +57,27 @@ def test_a_refused_start_raises_names_the_command_and_is_undone():
         # this test's own refusal is not a unit test starting a process (conftest fails a test that does)
         del conftest.REFUSED_STARTS[recorded:]
     assert subprocess.Popen._execute_child is not patched
+
+
+SHARED_SESSION_FIXTURES = ("sharding_checks", "lab2_launches")  # session fixtures of tests/conftest.py that launch jobs
+
+
+def test_files_sharing_a_session_fixtures_launches_run_on_one_worker():
+    """Under pytest-xdist a session fixture is per worker: every file that asks for one of the launching session
+    fixtures is in that fixture's group of SHARED_LAUNCH_GROUPS, or a second worker would launch its jobs again."""
+    users = {
+        name: fixture
+        for name in TEST_MODULES
+        for fixture in SHARED_SESSION_FIXTURES
+        if re.search(rf"def \w+\([^)]*\b{fixture}\b", (REPO_ROOT / "tests" / f"{name}.py").read_text())  # a parameter
+    }
+    assert users == conftest.SHARED_LAUNCH_GROUPS
+
+
+def test_the_scheduler_keeps_each_file_and_each_shared_group_whole():
+    scheduler = conftest.FilesSharingLaunchesTogether.__new__(conftest.FilesSharingLaunchesTogether)
+    scope = scheduler._split_scope
+    assert scope("tests/test_lab8_fsdp.py::test_x") == scope("tests/test_minddp.py::test_y[2]") == "sharding_checks"
+    assert scope("tests/test_lab2_join.py::a") == scope("tests/test_lab2_sampler.py::b") == "lab2_launches"
+    assert scope("lectures/01_data_parallelism.ipynb::Cell 3") == scope("lectures/01_data_parallelism.ipynb::Cell 9")
+    assert scope("tests/test_lab3_ddp.py::a") != scope("tests/test_lab5_scaling.py::a")
