@@ -37,7 +37,14 @@ def memory_model() -> WideMLP:
 
 
 def peak_allocated_bytes(run) -> int:
-    """Peak of (bytes allocated - bytes freed) on the CPU while run() executes, from the profiler."""
+    """Peak of (bytes allocated - bytes freed) on the CPU while run() executes, from the profiler.
+
+    run() runs once unmeasured first: what a process sets up on its first DDP step (gloo's and the reducer's
+    one-time buffers), whose lifetime depends on thread timing, is not a training step's memory. Without it,
+    the first DDP measurement in a process on a busy machine sometimes comes out 4P higher (45.3 MB instead
+    of 41.1 for lecture 5b's Adam with DDP: 1 of 10 fresh processes beside 4 busy loops on 2 cores, 30 Nov
+    2026; with the unmeasured run first, 0 of 10)."""
+    run()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     changes = sorted((event.start_ns(), event.nbytes()) for event in prof.profiler.kineto_results.events() if event.name() == "[memory]")
